@@ -1,0 +1,95 @@
+"""``apply()``, ``revert()`` and ``status()``: the public entry points of the runtime patches."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from . import mcore
+from .errors import PatchRefusedError
+from .patching import PatchResult, PatchState
+from .patches import ALL_PATCHES
+
+# One lock for every apply/revert, so concurrent callers never see half-applied patch sets.
+_LOCK = threading.RLock()
+
+FORCE_ENV = "MEGATRON_EXT_FORCE"
+SKIP_ENV = "MEGATRON_EXT_SKIP"
+
+
+def _env_force() -> bool:
+    return os.environ.get(FORCE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _skipped() -> set[str]:
+    return {name.strip() for name in os.environ.get(SKIP_ENV, "").split(",") if name.strip()}
+
+
+def status(force: bool | None = None) -> list[PatchResult]:
+    """Report, without changing anything, what :func:`apply` would do with each patch.
+
+    Args:
+        force: as for :func:`apply`; ``None`` reads ``MEGATRON_EXT_FORCE``.
+
+    Returns:
+        One :class:`PatchResult` per patch with state APPLIED, APPLICABLE, NOT_NEEDED or REFUSED.
+
+    Raises:
+        MegatronCoreNotFoundError: megatron-core is not importable.
+    """
+    force = _env_force() if force is None else force
+    version = mcore.installed_version()
+    with _LOCK:
+        return [patch.plan(version, force) for patch in ALL_PATCHES]
+
+
+def apply(force: bool | None = None, strict: bool = False) -> list[PatchResult]:
+    """Apply every patch the installed megatron-core needs. Idempotent and thread-safe.
+
+    Args:
+        force: apply even to an unsupported release or a changed target (after you checked the
+            code yourself). ``None`` reads ``MEGATRON_EXT_FORCE``.
+        strict: raise instead of reporting a refusal.
+
+    Returns:
+        One :class:`PatchResult` per patch: APPLIED (now or before), NOT_NEEDED, or REFUSED.
+        Patches named in ``MEGATRON_EXT_SKIP`` (comma-separated) are reported NOT_APPLIED.
+
+    Raises:
+        MegatronCoreNotFoundError: megatron-core is not importable.
+        PatchRefusedError: with ``strict=True``, if any patch was refused; nothing is applied then.
+    """
+    force = _env_force() if force is None else force
+    version = mcore.installed_version()
+    skipped = _skipped()
+    with _LOCK:
+        plans = [patch.plan(version, force) for patch in ALL_PATCHES]
+        refused = [plan for plan in plans if plan.state is PatchState.REFUSED]
+        if strict and refused:
+            raise PatchRefusedError("; ".join(f"{r.patch}: {r.reason}" for r in refused))
+        results = []
+        for patch, plan in zip(ALL_PATCHES, plans):
+            if patch.name in skipped:
+                results.append(patch.result(PatchState.NOT_APPLIED, f"skipped by {SKIP_ENV}"))
+            elif plan.state is PatchState.APPLICABLE:
+                patch.install()
+                results.append(patch.result(PatchState.APPLIED, plan.reason, plan.evidence))
+            else:
+                results.append(plan)
+        return results
+
+
+def revert() -> list[PatchResult]:
+    """Restore the original megatron-core functions exactly. Thread-safe; a no-op if nothing is applied.
+
+    Returns:
+        One :class:`PatchResult` per patch: REVERTED or NOT_APPLIED.
+    """
+    with _LOCK:
+        results = []
+        for patch in ALL_PATCHES:
+            if patch.uninstall():
+                results.append(patch.result(PatchState.REVERTED, "original functions restored"))
+            else:
+                results.append(patch.result(PatchState.NOT_APPLIED, "was not applied"))
+        return results

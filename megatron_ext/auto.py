@@ -1,0 +1,13 @@
+"""``import megatron_ext.auto`` applies every runtime patch the installed megatron-core needs.
+
+One line per patch goes to stderr saying what was done (``MEGATRON_EXT_QUIET=1`` silences
+applied / not-needed lines; refusals are always printed). A refusal does not raise: the job goes
+on with megatron-core unpatched and the line says why; use ``megatron_ext.apply(strict=True)`` to
+fail instead.
+"""
+
+from .report import announce
+from .api import apply
+
+RESULTS = apply()
+announce(RESULTS)

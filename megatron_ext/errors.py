@@ -1,0 +1,17 @@
+"""Exceptions raised by megatron-ext. Each message names the problem and the fix."""
+
+
+class MegatronExtError(Exception):
+    """Base class of every error megatron-ext raises on purpose."""
+
+
+class MegatronCoreNotFoundError(MegatronExtError):
+    """megatron-core cannot be imported, so there is nothing to patch."""
+
+
+class PatchRefusedError(MegatronExtError):
+    """A patch was refused: unsupported megatron-core release or changed target code.
+
+    Raised by ``apply(strict=True)``; ``apply()`` without ``strict`` reports the refusal in its
+    results instead.
+    """

@@ -1,0 +1,73 @@
+"""Finding the installed megatron-core and its release.
+
+Every lookup goes through here so that "megatron-core is not installed" is reported the same way
+everywhere: one line naming the fix, never an ImportError traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from types import ModuleType
+
+from packaging.version import InvalidVersion, Version
+
+from .errors import MegatronCoreNotFoundError
+
+#: Releases megatron-ext was written and tested against (both fixes are defined for each).
+SUPPORTED_RELEASES: tuple[str, ...] = ("0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2")
+
+KV_BLOCK_ALLOCATOR_MODULE = "megatron.core.inference.contexts.kv_block_allocator"
+DYNAMIC_CONTEXT_MODULE = "megatron.core.inference.contexts.dynamic_context"
+
+_INSTALL_HINT = (
+    "install a supported release, e.g. `pip install --no-deps megatron-core==0.19.2` "
+    f"(supported: {', '.join(SUPPORTED_RELEASES)})"
+)
+
+
+def installed_version() -> str:
+    """Return the installed megatron-core release as a string, e.g. ``"0.19.2"``.
+
+    The distribution metadata is read first; a source tree on ``PYTHONPATH`` without metadata
+    falls back to ``megatron.core.package_info.__version__``.
+
+    Raises:
+        MegatronCoreNotFoundError: megatron-core is neither installed nor importable.
+    """
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        info = importlib.import_module("megatron.core.package_info")
+    except ImportError as exc:
+        raise MegatronCoreNotFoundError(
+            f"megatron-core is not installed in this Python ({exc}); {_INSTALL_HINT}"
+        ) from None
+    return str(info.__version__)
+
+
+def release_series(version: str) -> str:
+    """Map a release to its series, e.g. ``"0.18.2"`` -> ``"0.18"``; unparsable input is returned as is."""
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return version
+    return f"{parsed.major}.{parsed.minor}"
+
+
+def import_module(name: str) -> ModuleType:
+    """Import a megatron-core module by dotted name.
+
+    Raises:
+        MegatronCoreNotFoundError: megatron-core (or this module of it) cannot be imported.
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (exc.name == "megatron" or exc.name.startswith("megatron.")):
+            raise MegatronCoreNotFoundError(
+                f"cannot import {name} ({exc}); {_INSTALL_HINT}"
+            ) from None
+        raise

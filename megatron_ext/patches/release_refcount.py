@@ -1,0 +1,135 @@
+"""Fix 1: ``KVBlockAllocator.release_memory_blocks`` drops ref counts once per occurrence.
+
+The released code does ``block_ref_counts[blocks] -= 1``. With advanced indexing a block ID that
+appears k times in ``blocks`` (k requests sharing a prefix finish in the same step) is decremented
+once, so shared blocks keep a positive ref count forever: never deregistered under REF_ZERO,
+never evictable under LRU, and the KV pool shrinks until no request can be admitted.
+
+Mirrors the upstream fix on Megatron-LM main of 2026-07-28, first released in megatron-core
+0.19.0: decrement with an accumulating scatter, then deregister / return each block that reached
+zero exactly once.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+
+from ..errors import MegatronExtError
+from ..mcore import KV_BLOCK_ALLOCATOR_MODULE, import_module
+from ..patching import Patch, Target
+
+RELEASE = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.release_memory_blocks")
+DEREGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator._deregister_blocks")
+
+# Recorded from the released wheels with scripts/record_fingerprints.py.
+_FAULTY = {
+    "KVBlockAllocator.release_memory_blocks": "acb2ad5b0c79cfc8",
+    "KVBlockAllocator._deregister_blocks": "b13538964dfdc5ea",
+}
+FINGERPRINTS = {"0.17.0": _FAULTY, "0.17.1": _FAULTY, "0.18.0": _FAULTY, "0.18.2": _FAULTY}
+
+
+class RefCountUnderflowError(MegatronExtError, ValueError):
+    """A release would drive a block's ref count below zero (a block released more often than held)."""
+
+
+def release_blocks_per_occurrence(allocator: Any, blocks: torch.Tensor) -> None:
+    """Release KV blocks with prefix caching on, decrementing once per occurrence of each ID.
+
+    Args:
+        allocator: a megatron-core ``KVBlockAllocator`` with ``enable_prefix_caching`` set.
+        blocks: 1-D integer tensor of block IDs, shape ``[n]``, any integer dtype, on the
+            allocator's bookkeeping device (GPU on 0.17, CPU from 0.18). IDs may repeat: one
+            occurrence per releasing owner.
+
+    Every block whose ref count reaches zero is then handled exactly once, even when its ID
+    was duplicated: under REF_ZERO it is deregistered and returned to the free pool; under LRU it
+    stays cached if it has a hash, and goes back to the free pool if it has none.
+
+    Raises:
+        RefCountUnderflowError: some block would drop below zero. Nothing is changed in that case.
+    """
+    ref_counts = allocator.block_ref_counts
+    ids = blocks.to(device=ref_counts.device, dtype=torch.int64)
+    unique_ids, occurrences = torch.unique(ids, return_counts=True)  # sorted ascending
+    remaining = ref_counts[unique_ids] - occurrences.to(ref_counts.dtype)
+    underflow = remaining < 0
+    if bool(underflow.any()):
+        raise RefCountUnderflowError(
+            f"releasing KV blocks {unique_ids[underflow].tolist()} would make their ref counts "
+            f"negative (held {ref_counts[unique_ids[underflow]].tolist()}, released "
+            f"{occurrences[underflow].tolist()} times); a block was released more often than it "
+            "was allocated or matched. Nothing was released."
+        )
+    ref_counts[unique_ids] = remaining
+    reached_zero = unique_ids[remaining == 0].to(blocks.dtype)
+    if reached_zero.numel() == 0:
+        return
+    policy = allocator.prefix_caching_eviction_policy.name
+    if policy == "REF_ZERO":
+        allocator._deregister_blocks(reached_zero)
+    elif policy == "LRU":
+        # Hashed blocks stay cached (evictable); unhashed ones (a request's partial last block)
+        # have nothing to reuse and go straight back to the free pool.
+        unhashed = reached_zero[allocator.block_hashes[reached_zero.to(torch.int64)] == -1]
+        count = unhashed.numel()
+        allocator.block_bag[allocator.total_avail : allocator.total_avail + count] = unhashed
+        allocator.total_avail += count
+
+
+def _release_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
+    """wrapt wrapper: our release with prefix caching on; the original code path otherwise."""
+    blocks = kwargs["blocks"] if "blocks" in kwargs else args[0]
+    if not allocator.enable_prefix_caching or blocks.numel() == 0:
+        return wrapped(*args, **kwargs)
+    return release_blocks_per_occurrence(allocator, blocks)
+
+
+def probe_release_semantics(release: Callable) -> tuple[bool, str]:
+    """Run a release function on a two-owner stand-in allocator; report whether it still leaks.
+
+    Releases block 0, held by two owners, twice in one call. Fixed code drops its ref count to
+    0; the faulty code leaves 1. Returns ``(leaks, evidence)``.
+    """
+    policy = import_module("megatron.core.inference.config").PrefixCachingEvictionPolicy
+    deregistered: list[list[int]] = []
+    stand_in = types.SimpleNamespace(
+        enable_prefix_caching=True,
+        prefix_caching_eviction_policy=policy.REF_ZERO,
+        block_ref_counts=torch.tensor([2, 0], dtype=torch.int32),
+        block_hashes=torch.tensor([7, -1], dtype=torch.int64),
+        _deregister_blocks=lambda ids: deregistered.append(ids.tolist()),
+    )
+    release(stand_in, torch.tensor([0, 0], dtype=torch.int32))
+    after = int(stand_in.block_ref_counts[0])
+    evidence = (
+        f"probe: block 0 held by 2 owners, released twice in one call -> ref count {after}"
+        f", deregistered {deregistered}"
+    )
+    return after != 0, evidence
+
+
+class ReleaseRefCountPatch(Patch):
+    """Wraps ``KVBlockAllocator.release_memory_blocks`` (see module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "release-refcount"
+        self.title = "ref counts of shared KV blocks drop once per releasing owner"
+        self.upstream = (
+            "Megatron-LM main 2026-07-28 (scatter_add_ decrement + torch.unique), "
+            "released in megatron-core 0.19.0"
+        )
+        self.fingerprints = FINGERPRINTS
+
+    def wrappers(self) -> dict[Target, Callable]:
+        return {RELEASE: _release_wrapper}
+
+    def checked_functions(self) -> tuple[Target, ...]:
+        return (RELEASE, DEREGISTER)
+
+    def needed(self) -> tuple[bool, str]:
+        return probe_release_semantics(RELEASE.original())

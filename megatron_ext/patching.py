@@ -1,0 +1,231 @@
+"""The mechanism shared by every runtime patch: declared releases, target fingerprints, wrapping.
+
+A :class:`Patch` names the megatron-core functions it wraps (:class:`Target`), the releases it was
+written against, and a fingerprint of each target's source per release. Before wrapping anything it
+checks that the installed release is supported and that each target's source is the code it was
+written against; otherwise it refuses, unless the caller forces it. Wrapping uses ``wrapt`` on the
+class attribute, so instances created before :func:`megatron_ext.apply` are covered too, and
+:meth:`Patch.revert` puts back the exact object that was there before.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import inspect
+import textwrap
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import wrapt
+
+from . import mcore
+
+#: Attribute set on every wrapper megatron-ext installs, naming the patch that installed it.
+# wrapt proxies attribute writes to the wrapped function unless the name starts with `_self_`.
+PATCH_MARKER = "_self_megatron_ext_patch"
+
+
+class PatchState(str, enum.Enum):
+    """Where a patch stands. ``str`` values are what ``status --json`` prints."""
+
+    APPLIED = "applied"
+    APPLICABLE = "applicable"  # status() only: would be applied by apply()
+    NOT_NEEDED = "not needed"
+    REFUSED = "refused"
+    REVERTED = "reverted"
+    NOT_APPLIED = "not applied"  # revert() of a patch that was not applied
+
+
+@dataclass(frozen=True)
+class Target:
+    """A method of a megatron-core class that a patch wraps or relies on.
+
+    Attributes:
+        module: dotted module name, e.g. ``megatron.core.inference.contexts.kv_block_allocator``.
+        qualname: ``Class.method``, e.g. ``KVBlockAllocator.release_memory_blocks``.
+    """
+
+    module: str
+    qualname: str
+
+    @property
+    def class_name(self) -> str:
+        return self.qualname.split(".")[0]
+
+    @property
+    def attribute(self) -> str:
+        return self.qualname.split(".")[1]
+
+    def owner(self) -> type:
+        """The class that holds the method. Raises MegatronCoreNotFoundError if not importable."""
+        return getattr(mcore.import_module(self.module), self.class_name)
+
+    def current(self) -> Any:
+        """The object now stored under the attribute in the class ``__dict__`` (maybe a wrapper)."""
+        return self.owner().__dict__[self.attribute]
+
+    def original(self) -> Callable:
+        """The unwrapped megatron-core function, even while one of our wrappers is installed."""
+        function = self.current()
+        while getattr(function, PATCH_MARKER, None) is not None:
+            function = function.__wrapped__
+        return function
+
+
+@dataclass(frozen=True)
+class PatchResult:
+    """What happened to (or, from ``status()``, what would happen to) one patch.
+
+    Attributes:
+        patch: the patch's short name, e.g. ``release-refcount``.
+        targets: ``module:Class.method`` of every function the patch wraps.
+        state: see :class:`PatchState`.
+        reason: one human sentence saying why.
+        evidence: what the decision rests on (probe result, fingerprint comparison), or ``""``.
+    """
+
+    patch: str
+    targets: tuple[str, ...]
+    state: PatchState
+    reason: str
+    evidence: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "patch": self.patch,
+            "targets": list(self.targets),
+            "state": self.state.value,
+            "reason": self.reason,
+            "evidence": self.evidence,
+        }
+
+
+def fingerprint(function: Callable) -> str:
+    """SHA-256 (first 16 hex digits) of a function's dedented source, trailing blanks stripped.
+
+    Source, not bytecode: megatron-core ships ``.py`` files, and bytecode changes with the Python
+    patch release while the code we rely on does not.
+
+    Raises:
+        OSError: the source is not available (a ``.pyc``-only install); callers report it as a refusal.
+    """
+    source = textwrap.dedent(inspect.getsource(function))
+    normalized = "\n".join(line.rstrip() for line in source.splitlines()).strip() + "\n"
+    return hashlib.sha256(normalized.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Patch(ABC):
+    """One runtime fix. Subclasses fill in the class attributes and :meth:`wrappers`.
+
+    Attributes:
+        name: short name used in status output and in the ``MEGATRON_EXT_SKIP`` variable.
+        title: one line saying what the patch fixes.
+        upstream: the upstream change it mirrors.
+        fingerprints: release -> {``Class.method``: fingerprint} of every target and every
+            function the wrapper relies on, recorded from the released wheels.
+    """
+
+    name: str = field(init=False, default="")
+    title: str = field(init=False, default="")
+    upstream: str = field(init=False, default="")
+    fingerprints: dict[str, dict[str, str]] = field(init=False, default_factory=dict)
+    _saved: dict[Target, Any] = field(init=False, default_factory=dict)
+
+    @property
+    def supported_releases(self) -> tuple[str, ...]:
+        return tuple(self.fingerprints)
+
+    @abstractmethod
+    def wrappers(self) -> dict[Target, Callable]:
+        """Target -> ``wrapt`` wrapper ``(wrapped, instance, args, kwargs)`` to install on it."""
+
+    def checked_functions(self) -> tuple[Target, ...]:
+        """Every function whose fingerprint must match: the wrapped targets by default."""
+        return tuple(self.wrappers())
+
+    def needed(self) -> tuple[bool, str]:
+        """Whether the installed code still has the fault, and the evidence for the answer."""
+        return True, ""
+
+    # -- state -------------------------------------------------------------------------------
+
+    def target_names(self) -> tuple[str, ...]:
+        return tuple(f"{t.module}:{t.qualname}" for t in self.wrappers())
+
+    def is_applied(self) -> bool:
+        return all(getattr(t.current(), PATCH_MARKER, None) == self.name for t in self.wrappers())
+
+    def result(self, state: PatchState, reason: str, evidence: str = "") -> PatchResult:
+        return PatchResult(self.name, self.target_names(), state, reason, evidence)
+
+    def check(self, version: str) -> PatchResult | None:
+        """Refusal result if the release or a target's code is not what this patch knows, else None."""
+        supported = ", ".join(self.supported_releases)
+        expected = self.fingerprints.get(version)
+        if expected is None:
+            return self.result(
+                PatchState.REFUSED,
+                f"megatron-core {version} is not a supported release (supported: {supported}); "
+                "install one of those, or force with MEGATRON_EXT_FORCE=1 / apply(force=True) "
+                "after checking the target code yourself",
+            )
+        for target in self.checked_functions():
+            try:
+                found = fingerprint(target.original())
+            except OSError as exc:
+                found = f"unreadable source ({exc})"
+            if found != expected.get(target.qualname):
+                return self.result(
+                    PatchState.REFUSED,
+                    f"{target.module}.{target.qualname} in megatron-core {version} is not the code "
+                    f"this patch was written against (supported: {supported}); it was changed "
+                    "locally or by another patch. Reinstall megatron-core, or force with "
+                    "MEGATRON_EXT_FORCE=1 / apply(force=True) after checking the code yourself",
+                    evidence=f"fingerprint {found}, expected {expected.get(target.qualname)}",
+                )
+        return None
+
+    def plan(self, version: str, force: bool) -> PatchResult:
+        """Decide without changing anything: APPLICABLE, APPLIED, NOT_NEEDED or REFUSED."""
+        if self.is_applied():
+            return self.result(PatchState.APPLIED, "already applied by megatron-ext")
+        if version not in mcore.SUPPORTED_RELEASES and not force:
+            return self.check(version)  # refusal naming the supported releases
+        try:
+            needed, evidence = self.needed()
+        except Exception as exc:  # a probe that cannot run says nothing about the fault
+            needed, evidence = True, f"probe failed: {type(exc).__name__}: {exc}"
+        if not needed:
+            return self.result(
+                PatchState.NOT_NEEDED, "upstream fix present in the installed code", evidence
+            )
+        refusal = self.check(version)
+        if refusal is not None and not force:
+            return refusal
+        reason = "the installed code has the fault and matches the recorded fingerprints"
+        if refusal is not None:
+            reason = f"FORCED despite refusal: {refusal.reason}"
+        return self.result(PatchState.APPLICABLE, reason, evidence)
+
+    # -- apply / revert ----------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Wrap every target. Callers hold the global lock and have checked :meth:`plan`."""
+        for target, wrapper in self.wrappers().items():
+            owner = target.owner()
+            self._saved[target] = owner.__dict__[target.attribute]
+            wrapped = wrapt.FunctionWrapper(self._saved[target], wrapper)
+            setattr(wrapped, PATCH_MARKER, self.name)
+            setattr(owner, target.attribute, wrapped)
+
+    def uninstall(self) -> bool:
+        """Put back exactly the objects :meth:`install` replaced. Returns False if none were saved."""
+        if not self._saved:
+            return False
+        for target, saved in self._saved.items():
+            setattr(target.owner(), target.attribute, saved)
+        self._saved.clear()
+        return True
