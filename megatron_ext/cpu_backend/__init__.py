@@ -1,0 +1,66 @@
+"""Run megatron-core's unmodified dynamic inference stack on the CPU.
+
+``with cpu_backend():`` lets ``DynamicInferenceContext``, ``DynamicInferenceEngine``,
+``TextGenerationController`` and ``GPTModel`` (local layer spec, no Transformer Engine) of
+megatron-core 0.17.1, 0.18.2 and 0.19.2 run without a GPU, by combining four pieces that are also
+usable on their own:
+
+* :func:`cuda_on_cpu` (``device``): CUDA devices, pinned memory, ``torch.cuda`` events, streams
+  and RNG state served on the CPU;
+* :func:`reference_attention` (``attention``): plain-torch paged attention in place of the
+  flash-attention kernels, computed per query token so results do not depend on the batch;
+* :func:`torch_kv_append` (``kv_append``): the Triton KV-append kernel off;
+* :func:`batch_invariant_mode` (``batch_invariant``): row-wise CPU matrix products, so a row's
+  bits do not depend on the batch; :func:`self_check` proves it on the running machine.
+
+Version differences for building a model, context and engine live in ``engine_factory``.
+Everything is restored exactly when the ``with`` block exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+from .attention import kvcache_attention, reference_attention, varlen_attention
+from .batch_invariant import batch_invariant_mode, self_check
+from .device import cuda_on_cpu
+from .kv_append import torch_kv_append
+
+__all__ = [
+    "cpu_backend",
+    "cuda_on_cpu",
+    "reference_attention",
+    "varlen_attention",
+    "kvcache_attention",
+    "torch_kv_append",
+    "batch_invariant_mode",
+    "self_check",
+]
+
+
+@contextlib.contextmanager
+def cpu_backend(batch_invariant: bool = True, seed: Optional[int] = None) -> Iterator[None]:
+    """Within the block megatron-core's dynamic inference runs on the CPU.
+
+    Enters, in order: :func:`torch_kv_append`, :func:`reference_attention` (both import the
+    megatron-core modules they patch, so those imports happen before any CUDA stand-in exists),
+    :func:`cuda_on_cpu` and (unless ``batch_invariant`` is False) :func:`batch_invariant_mode`;
+    exits in reverse order, restoring every replaced attribute and the previous
+    batch-invariant state, also when the block raises.
+
+    Args:
+        batch_invariant: also turn on the batch-invariant CPU matrix products.
+        seed: initial seed of the stand-in CUDA RNG state (see :func:`cuda_on_cpu`).
+
+    Raises:
+        megatron_ext.errors.MegatronCoreNotFoundError: megatron-core is not importable.
+        RuntimeError: CUDA is already initialized in this process.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch_kv_append())
+        stack.enter_context(reference_attention())
+        stack.enter_context(cuda_on_cpu(seed=seed))
+        if batch_invariant:
+            stack.enter_context(batch_invariant_mode(True))
+        yield

@@ -1,0 +1,220 @@
+"""apply / revert / status: idempotence, exact restoration, refusals, forcing, thread safety."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import megatron_ext
+from megatron_ext import cli, mcore
+from megatron_ext.errors import PatchRefusedError
+from megatron_ext.patches.matched_block_writes import ADD_REQUEST, COMPUTE_PREFIX_MATCH
+from megatron_ext.patches.release_refcount import RELEASE
+from megatron_ext.patching import PatchState
+
+from .allocator_factory import make_allocator, pin, ref_counts
+
+EXPECTED_STATUS = {
+    "0.17": {"release-refcount": "applicable", "matched-block-writes": "applicable"},
+    "0.18": {"release-refcount": "applicable", "matched-block-writes": "applicable"},
+    "0.19": {"release-refcount": "not needed", "matched-block-writes": "applicable"},
+}
+PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST], "0.18": [RELEASE, ADD_REQUEST], "0.19": [ADD_REQUEST]}
+
+
+@pytest.fixture(autouse=True)
+def always_revert():
+    megatron_ext.revert()
+    yield
+    megatron_ext.revert()
+
+
+def states(results) -> dict[str, str]:
+    return {r.patch: r.state.value for r in results}
+
+
+def test_status_per_release(mcore_series):
+    results = megatron_ext.status()
+    assert states(results) == EXPECTED_STATUS[mcore_series]
+    refcount = results[0]
+    if mcore_series == "0.19":
+        assert "ref count 0" in refcount.evidence
+    else:
+        assert "ref count 1" in refcount.evidence  # the probe saw the leak
+
+
+def test_apply_wraps_exactly_the_needed_targets_and_revert_restores_them(mcore_series):
+    originals = {t: t.current() for t in (RELEASE, ADD_REQUEST)}
+    results = megatron_ext.apply()
+    expected = {k: ("applied" if v == "applicable" else v) for k, v in EXPECTED_STATUS[mcore_series].items()}
+    assert states(results) == expected
+    for target, original in originals.items():
+        patched = target in PATCHED_TARGETS[mcore_series]
+        assert (target.current() is not original) == patched
+        assert target.original() is original
+    assert states(megatron_ext.revert())["matched-block-writes"] == "reverted"
+    for target, original in originals.items():
+        assert target.current() is original
+
+
+def test_apply_twice_changes_nothing():
+    megatron_ext.apply()
+    wrapper = ADD_REQUEST.current()
+    again = megatron_ext.apply()
+    assert ADD_REQUEST.current() is wrapper
+    assert states(again)["matched-block-writes"] == "applied"
+    assert again[1].reason == "already applied by megatron-ext"
+    assert wrapper.__wrapped__ is ADD_REQUEST.original()  # one layer, not two
+
+
+def test_apply_revert_apply_round_trip():
+    original = ADD_REQUEST.current()
+    megatron_ext.apply()
+    megatron_ext.revert()
+    megatron_ext.apply()
+    assert ADD_REQUEST.current() is not original
+    assert ADD_REQUEST.current().__wrapped__ is original
+    megatron_ext.revert()
+    assert ADD_REQUEST.current() is original
+
+
+def test_instances_created_before_apply_are_covered(mcore_series):
+    allocator = make_allocator("REF_ZERO")
+    blocks = allocator.allocate_memory_blocks(1)
+    allocator.register_kv_block_hashes([int(blocks[0])], [77])
+    pin(allocator, [int(blocks[0])])
+    megatron_ext.apply()
+    allocator.release_memory_blocks(torch.cat([blocks, blocks]))
+    assert ref_counts(allocator, [int(blocks[0])]) == [0]  # on every release, patched or fixed
+    assert allocator.kv_hash_to_block_id == {}
+
+
+def test_apply_from_many_threads_installs_one_wrapper():
+    original = ADD_REQUEST.current()
+    barrier = threading.Barrier(8)
+    outcomes: list[list] = []
+
+    def worker():
+        barrier.wait()
+        outcomes.append(megatron_ext.apply())
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(outcomes) == 8
+    assert all(states(o)["matched-block-writes"] == "applied" for o in outcomes)
+    assert ADD_REQUEST.current().__wrapped__ is original
+
+
+@pytest.fixture
+def changed_prefix_match(monkeypatch):
+    """A locally edited ``_compute_prefix_match`` (fix 2 relies on it): same behaviour, other code."""
+    owner = COMPUTE_PREFIX_MATCH.owner()
+    original = owner.__dict__["_compute_prefix_match"]
+
+    def _compute_prefix_match(self, *args, **kwargs):  # pragma: no cover - never called
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, "_compute_prefix_match", _compute_prefix_match)
+
+
+def test_changed_target_is_refused_naming_function_and_versions(changed_prefix_match, mcore_version):
+    before = ADD_REQUEST.current()
+    results = megatron_ext.apply()
+    refused = results[1]
+    assert refused.state is PatchState.REFUSED
+    assert "DynamicInferenceContext._compute_prefix_match" in refused.reason
+    assert f"megatron-core {mcore_version}" in refused.reason
+    assert "supported: 0.17.0, 0.17.1, 0.18.0, 0.18.2, 0.19.0, 0.19.2" in refused.reason
+    assert refused.evidence.startswith("fingerprint ")
+    assert ADD_REQUEST.current() is before  # nothing installed
+    assert results[0].state is not PatchState.REFUSED  # the other patch is independent
+    with pytest.raises(PatchRefusedError, match="_compute_prefix_match"):
+        megatron_ext.apply(strict=True)
+
+
+def test_forced_apply_installs_despite_changed_target(changed_prefix_match):
+    results = megatron_ext.apply(force=True)
+    assert results[1].state is PatchState.APPLIED
+    assert results[1].reason.startswith("FORCED despite refusal")
+    assert getattr(ADD_REQUEST.current(), "_self_megatron_ext_patch") == "matched-block-writes"
+
+
+def test_unsupported_release_is_refused(monkeypatch):
+    monkeypatch.setattr(mcore, "installed_version", lambda: "0.16.1")
+    before = ADD_REQUEST.current()
+    results = megatron_ext.apply()
+    assert [r.state for r in results] == [PatchState.REFUSED, PatchState.REFUSED]
+    for result in results:
+        assert "megatron-core 0.16.1 is not a supported release" in result.reason
+        assert "0.17.0" in result.reason and "MEGATRON_EXT_FORCE=1" in result.reason
+    assert ADD_REQUEST.current() is before
+
+
+def test_skip_variable_leaves_a_patch_out(monkeypatch):
+    monkeypatch.setenv("MEGATRON_EXT_SKIP", "matched-block-writes")
+    before = ADD_REQUEST.current()
+    results = megatron_ext.apply()
+    assert results[1].state is PatchState.NOT_APPLIED
+    assert ADD_REQUEST.current() is before
+
+
+def test_missing_megatron_core_is_one_line_error(monkeypatch, capsys):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    monkeypatch.setitem(sys.modules, "megatron.core.package_info", None)
+    assert cli.main(["status"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("megatron-ext: error: megatron-core is not installed")
+    assert "pip install --no-deps megatron-core==0.19.2" in err[0]
+
+
+def test_cli_status_json(capsys, mcore_series, mcore_version):
+    assert cli.main(["status", "--json"]) == 0
+    import json
+
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["megatron_core_version"] == mcore_version
+    assert {p["patch"]: p["state"] for p in payload["patches"]} == EXPECTED_STATUS[mcore_series]
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_EXT_")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=full_env,
+                          capture_output=True, text=True, timeout=300)
+
+
+CHECK_WRAPPED = (
+    "import megatron.core.inference.contexts.dynamic_context as d; "
+    "print(getattr(d.DynamicInferenceContext.__dict__['add_request'], "
+    "'_self_megatron_ext_patch', None))"
+)
+
+
+def test_environment_variable_applies_at_import_with_no_code_change():
+    done = run_python(CHECK_WRAPPED, MEGATRON_EXT_AUTO="1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "matched-block-writes"
+    assert "megatron-ext: matched-block-writes: applied" in done.stderr
+    untouched = run_python(CHECK_WRAPPED)
+    assert untouched.stdout.strip() == "None"
+    assert "megatron-ext" not in untouched.stderr
+
+
+def test_import_auto_applies():
+    done = run_python("import megatron_ext.auto; " + CHECK_WRAPPED)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "matched-block-writes"
+    assert "megatron-ext: matched-block-writes: applied" in done.stderr
