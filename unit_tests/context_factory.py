@@ -1,0 +1,88 @@
+"""A real megatron-core ``DynamicInferenceContext`` on the CPU, for add_request-level tests.
+
+Uses the CPU backend's CUDA stand-ins and a one-rank gloo process group for megatron-core's
+parallel state (the context asks it how many layers this pipeline stage holds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+
+import torch
+
+from megatron_ext import mcore
+from megatron_ext.cpu_backend import cuda_on_cpu
+
+BLOCK = 16  # tokens per KV block in every context built here
+
+
+def ensure_model_parallel() -> None:
+    """One-rank gloo process group + megatron-core parallel state (TP=PP=1), once per process."""
+    dist = torch.distributed
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tempfile.mktemp(prefix='megatron-ext-pg-')}",
+            rank=0, world_size=1,
+        )
+    parallel_state = mcore.import_module("megatron.core.parallel_state")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+@contextlib.contextmanager
+def prefix_caching_context(policy: str = "REF_ZERO", max_tokens: int = 256):
+    """Yield a DynamicInferenceContext (2 layers, 4 heads of 16, fp32, block size 16) with prefix
+    caching and chunked prefill on, inside the CPU stand-ins."""
+    config = mcore.import_module("megatron.core.inference.config")
+    transformer = mcore.import_module("megatron.core.transformer.transformer_config")
+    dynamic = mcore.import_module(mcore.DYNAMIC_CONTEXT_MODULE)
+    with cuda_on_cpu():
+        ensure_model_parallel()
+        model_config = transformer.TransformerConfig(
+            num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16,
+            params_dtype=torch.float32,
+        )
+        inference_config = config.InferenceConfig(
+            block_size_tokens=BLOCK, buffer_size_gb=0.01, max_requests=8, max_tokens=max_tokens,
+            max_sequence_length=256, enable_prefix_caching=True, enable_chunked_prefill=True,
+            prefix_caching_eviction_policy=getattr(config.PrefixCachingEvictionPolicy, policy),
+        )
+        yield dynamic.DynamicInferenceContext(model_config, inference_config)
+
+
+def make_request(request_id: int, tokens: list[int]):
+    """A DynamicInferenceRequest with block hashes computed for BLOCK-token blocks."""
+    inference_request = mcore.import_module("megatron.core.inference.inference_request")
+    sampling = mcore.import_module("megatron.core.inference.sampling_params")
+    return inference_request.DynamicInferenceRequest(
+        request_id=request_id,
+        prompt_tokens=torch.tensor(tokens, dtype=torch.int64),
+        sampling_params=sampling.SamplingParams(num_tokens_to_generate=4),
+        block_size_tokens=BLOCK,
+        enable_prefix_caching=True,
+    )
+
+
+def add_and_collect_writes(context, req, chunk: int | None = None) -> list[tuple[int, int]]:
+    """Call ``add_request`` and return, for each token it added, (position in request, KV block written)."""
+    first = context.active_token_count
+    context.add_request(req, chunk)
+    end = context.active_token_count
+    positions = context.token_to_position_in_request[first:end].tolist()
+    blocks = context.token_to_block_idx[first:end].tolist()
+    return list(zip(positions, blocks))
+
+
+def finish_chunk(context, req, chunk: int) -> None:
+    """What the engine does between two prefill chunks of one request: the request keeps its row
+    (and block table) for the next chunk, the step's tokens are consumed."""
+    req.finished_chunk_token_count += chunk
+    req.remaining_prompt_tokens = req.remaining_prompt_tokens[chunk:]
+    context.total_request_count -= 1
+    context.num_prefill_requests -= 1
+    context.active_token_count = 0
+
+
+def block_table(context, row: int, count: int) -> list[int]:
+    return context.request_to_kv_block_ids[row][:count].tolist()
