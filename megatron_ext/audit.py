@@ -1,0 +1,219 @@
+"""Audits of a live ``DynamicInferenceContext``, independent of the runtime patches.
+
+* KV write audit: every KV append is checked, token by token, against the writing request's own
+  blocks. A request's own blocks are those in its block table that it did not get from a hash
+  match; the audit learns which ones were matched by watching each ``add_request`` call and the
+  allocator calls made inside it (new block-table entries that were not freshly allocated are
+  matched). A write is legal if it lands in an own block or in the dummy block.
+* Ref-count audit: after every engine step each block's ref count equals the number of live
+  owners (block tables of active, paused and mid-chunked-prefill requests), free IDs are unique and
+  hold neither owners nor hashes; at drain every block is free or cached with ref count 0.
+
+The audit attaches instance-level wrappers (the engine calls ``context.add_request`` and the
+attention layer ``context.append_key_value_cache``), so it stacks on top of whatever class-level
+code is installed (patched or not) and is removed with :meth:`ContextAudit.detach`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken invariant.
+
+    Attributes:
+        kind: ``kv_write``, ``ref_count``, ``free_pool`` or ``drain``.
+        step: engine step (0-based) at which it was seen.
+        block: the KV block ID concerned.
+        request_id: the request concerned (``kv_write`` only), else -1.
+        detail: one human sentence.
+    """
+
+    kind: str
+    step: int
+    block: int
+    request_id: int
+    detail: str
+
+
+@dataclass
+class ContextAudit:
+    """Attach to a context, call :meth:`end_step` after each engine step and :meth:`drain` at the end.
+
+    Attributes:
+        violations: unique violations seen so far (a KV write violation is counted once per
+            step, request and block, not once per layer or token).
+        kv_writes_checked: number of (token, layer) KV writes inspected.
+        steps_checked: number of ref-count checks performed.
+    """
+
+    context: Any
+    step: int = 0
+    violations: list[Violation] = field(default_factory=list)
+    kv_writes_checked: int = 0
+    steps_checked: int = 0
+    matched_blocks: dict[int, set[int]] = field(default_factory=dict)
+    _seen: set[tuple] = field(default_factory=set)
+    _allocated_in_call: list[int] = field(default_factory=list)
+
+    # -- wiring ---------------------------------------------------------------------------------
+
+    def attach(self) -> "ContextAudit":
+        ctx, allocator = self.context, self.context.kv_block_allocator
+        add_request, append = ctx.add_request, ctx.append_key_value_cache
+        allocate = allocator.allocate_memory_blocks
+
+        def audited_allocate(num_blocks: int, *args, **kwargs):
+            blocks = allocate(num_blocks, *args, **kwargs)
+            if blocks is not None:
+                self._allocated_in_call.extend(blocks.tolist())
+            return blocks
+
+        def audited_add_request(req, prefill_chunk_length=None):
+            self._allocated_in_call.clear()
+            row, finished = ctx.total_request_count, req.finished_chunk_token_count
+            result = add_request(req, prefill_chunk_length)
+            self._record_matches(req.request_id, row, finished)
+            return result
+
+        def audited_append(layer_number, key, value):
+            self._check_kv_writes()
+            return append(layer_number, key, value)
+
+        ctx.add_request = audited_add_request
+        ctx.append_key_value_cache = audited_append
+        allocator.allocate_memory_blocks = audited_allocate
+        return self
+
+    def detach(self) -> None:
+        for owner, name in ((self.context, "add_request"), (self.context, "append_key_value_cache"),
+                            (self.context.kv_block_allocator, "allocate_memory_blocks")):
+            owner.__dict__.pop(name, None)
+
+    # -- KV write audit -------------------------------------------------------------------------
+
+    def _record_matches(self, request_id: int, row: int, finished_tokens: int) -> None:
+        ctx = self.context
+        first_new = -(-finished_tokens // ctx.block_size_tokens)  # blocks held before this chunk
+        count = int(ctx.request_kv_block_counts[row])
+        new_entries = ctx.request_to_kv_block_ids[row][first_new:count].tolist()
+        matched = set(new_entries) - set(self._allocated_in_call)
+        if finished_tokens == 0:  # a first chunk: a new request or one re-added after eviction
+            self.matched_blocks[request_id] = set()
+        self.matched_blocks.setdefault(request_id, set()).update(matched)
+
+    def _check_kv_writes(self) -> None:
+        ctx = self.context
+        tokens = ctx.active_token_count
+        view = getattr(ctx, "gpu_view", None) or ctx  # what the KV append kernel reads
+        written = view.token_to_block_idx[:tokens].tolist()
+        rows = ctx.token_to_request_idx[:tokens].tolist()
+        dummy = ctx.kv_block_allocator.dummy_block_idx
+        own_blocks: dict[int, set[int]] = {}
+        for row, block in zip(rows, written):
+            self.kv_writes_checked += 1
+            if block == dummy:
+                continue
+            if row not in own_blocks:
+                own_blocks[row] = self._own_blocks(row)
+            if block not in own_blocks[row]:
+                request_id = int(ctx.request_ids[row])
+                why = "obtained by hash match" if block in self.matched_blocks.get(request_id, ()) \
+                    else "not in its block table"
+                self._add(Violation("kv_write", self.step, block, request_id,
+                                    f"request {request_id} wrote KV into block {block}, {why}"))
+
+    def _own_blocks(self, row: int) -> set[int]:
+        ctx = self.context
+        table = ctx.request_to_kv_block_ids[row][: int(ctx.request_kv_block_counts[row])].tolist()
+        return set(table) - self.matched_blocks.get(int(ctx.request_ids[row]), set())
+
+    # -- ref-count audit ------------------------------------------------------------------------
+
+    def live_rows(self) -> range:
+        """Rows holding blocks: paused + active, plus a chunked-prefill request between chunks."""
+        ctx = self.context
+        end = ctx.total_request_count
+        if getattr(ctx, "chunked_prefill_request_id", -1) != -1 and end < ctx.max_requests:
+            if int(ctx.request_ids[end]) == ctx.chunked_prefill_request_id:
+                end += 1  # update_requests leaves the chunked request's row just past the end
+        return range(0, end)
+
+    def owner_counts(self) -> Counter:
+        """Block ID -> number of live block tables that hold it (an owner per table entry)."""
+        ctx = self.context
+        owners: Counter = Counter()
+        for row in self.live_rows():
+            count = int(ctx.request_kv_block_counts[row])
+            owners.update(b for b in ctx.request_to_kv_block_ids[row][:count].tolist() if b >= 0)
+        return owners
+
+    def end_step(self) -> None:
+        """Check ref counts against live owners and the free pool; then advance the step."""
+        allocator = self.context.kv_block_allocator
+        owners = self.owner_counts()
+        ref_counts = allocator.block_ref_counts.tolist()
+        for block in range(allocator.dummy_block_idx):
+            if ref_counts[block] != owners.get(block, 0):
+                self._add(Violation("ref_count", self.step, block, -1,
+                                    f"block {block} has ref count {ref_counts[block]} but "
+                                    f"{owners.get(block, 0)} live owners"))
+        self._check_free_pool(owners)
+        self.steps_checked += 1
+        self.step += 1
+
+    def _check_free_pool(self, owners: Counter) -> None:
+        allocator = self.context.kv_block_allocator
+        free = allocator.block_bag[: allocator.total_avail].tolist()
+        hashes = allocator.block_hashes.tolist()
+        for block, times in Counter(free).items():
+            if times > 1:
+                self._add(Violation("free_pool", self.step, block, -1,
+                                    f"block {block} is in the free pool {times} times"))
+            if owners.get(block) or hashes[block] != -1:
+                self._add(Violation("free_pool", self.step, block, -1,
+                                    f"free block {block} has {owners.get(block, 0)} owners and "
+                                    f"hash {hashes[block]}"))
+
+    def drain(self) -> None:
+        """At drain: every block is free or cached (hashed) with ref count 0, each exactly once."""
+        allocator = self.context.kv_block_allocator
+        free = set(allocator.block_bag[: allocator.total_avail].tolist())
+        hashes = allocator.block_hashes.tolist()
+        ref_counts = allocator.block_ref_counts.tolist()
+        for block in range(allocator.dummy_block_idx):
+            cached = hashes[block] != -1
+            if ref_counts[block] != 0 or (block in free) == cached:
+                state = "free" if block in free else ("cached" if cached else "neither free nor cached")
+                self._add(Violation("drain", self.step, block, -1,
+                                    f"at drain block {block} is {state} with ref count "
+                                    f"{ref_counts[block]}"))
+
+    # -- results --------------------------------------------------------------------------------
+
+    def _add(self, violation: Violation) -> None:
+        key = (violation.kind, violation.step, violation.block, violation.request_id)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.violations.append(violation)
+
+    def count(self, *kinds: str) -> int:
+        return sum(1 for v in self.violations if v.kind in kinds)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts per audit, and the first few violations of each kind as text."""
+        first = {}
+        for v in self.violations:
+            first.setdefault(v.kind, []).append(f"step {v.step}: {v.detail}")
+        return {
+            "kv_write_violations": self.count("kv_write"),
+            "refcount_violations": self.count("ref_count", "free_pool", "drain"),
+            "kv_writes_checked": self.kv_writes_checked,
+            "steps_checked": self.steps_checked,
+            "examples": {k: lines[:3] for k, lines in first.items()},
+        }
+

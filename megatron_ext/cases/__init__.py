@@ -1,0 +1,216 @@
+"""Test-case files for ``megatron-ext ab``: model, inference config, requests, expectations.
+
+A case is a YAML file in the style of Megatron's functional test cases. Shipped cases live in
+this package (``megatron-ext ab --case rl_rollouts``); users pass their own with
+``--case path/to/case.yaml``. Unknown or malformed fields are errors that name the field.
+
+Example::
+
+    name: my-case
+    model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, params_dtype: bf16}
+    inference: {block_size_tokens: 16, buffer_size_gb: 0.002, max_requests: 16, max_tokens: 256}
+    prefix_caching_eviction_policies: [ref_zero, lru]
+    requests:
+      - {prompt: "Explain KV caching in one line.", samples: 4, num_tokens_to_generate: 8}
+      - conversation: ["Hi!", "Hello, how can I help?", "Tell me about blocks."]
+        turn_interval: 3
+    expectations: {bit_identical: true, min_prefill_tokens_skipped: 1}
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..errors import MegatronExtError
+from ..tokenizer import ByteTokenizer
+
+
+class CaseFileError(MegatronExtError, ValueError):
+    """A case file is missing, not YAML, or has a bad field (the message names the field)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """A GPT model with megatron-core's local layer spec; weights are seeded random unless loaded."""
+
+    num_layers: int = Field(2, ge=1)
+    hidden_size: int = Field(64, ge=8)
+    num_attention_heads: int = Field(4, ge=1)
+    num_query_groups: Optional[int] = Field(None, ge=1)
+    ffn_hidden_size: Optional[int] = Field(None, ge=8)
+    vocab_size: int = Field(ByteTokenizer.vocab_size, ge=ByteTokenizer.vocab_size)
+    max_position_embeddings: int = Field(1024, ge=16)
+    params_dtype: Literal["fp32", "bf16"] = "bf16"
+    seed: int = 1234
+
+
+class InferenceSpec(_Strict):
+    """Fields passed to megatron-core's ``InferenceConfig`` (same names)."""
+
+    block_size_tokens: int = Field(16, ge=1)
+    buffer_size_gb: float = Field(0.004, gt=0)
+    max_requests: int = Field(16, ge=1)
+    max_tokens: int = Field(512, ge=2)
+    max_sequence_length: int = Field(512, ge=2)
+    enable_chunked_prefill: bool = False
+
+
+class SamplingSpec(_Strict):
+    """Sampling for every request. Greedy (top_k=1) by default, so outputs are deterministic."""
+
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(1, ge=0)
+    top_p: float = Field(0.0, ge=0, le=1)
+
+
+class RequestSpec(_Strict):
+    """One prompt (``samples`` copies) or one multi-turn ``conversation``.
+
+    A conversation ``[u1, a1, u2, a2, u3]`` becomes requests whose prompts are ``u1``,
+    ``u1+a1+u2``, ``u1+a1+u2+a2+u3``: each turn's prompt is the previous prompt + reply + a new
+    message. Turn k arrives at ``arrival_step + k * turn_interval``.
+    """
+
+    prompt: Optional[str] = Field(None, min_length=1)
+    prefix: str = ""
+    conversation: Optional[list[str]] = Field(None, min_length=1)
+    turn_interval: int = Field(2, ge=0)
+    samples: int = Field(1, ge=1)
+    arrival_step: int = Field(0, ge=0)
+    num_tokens_to_generate: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RequestSpec":
+        if (self.prompt is None) == (self.conversation is None):
+            raise ValueError("give exactly one of 'prompt' or 'conversation'")
+        return self
+
+
+class Expectations(_Strict):
+    """What ``ab`` checks beyond the audits."""
+
+    bit_identical: bool = True
+    min_blocks_matched: int = Field(0, ge=0)
+    min_prefill_tokens_skipped: int = Field(0, ge=0)
+
+
+class Case(_Strict):
+    """A whole case file."""
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    model: ModelSpec = ModelSpec()
+    inference: InferenceSpec = InferenceSpec()
+    prefix_caching_eviction_policies: list[Literal["ref_zero", "lru"]] = Field(
+        default_factory=lambda: ["ref_zero"], min_length=1
+    )
+    sampling: SamplingSpec = SamplingSpec()
+    requests: list[RequestSpec] = Field(min_length=1)
+    expectations: Expectations = Expectations()
+
+
+class PlannedRequest(_Strict):
+    """One engine request after expanding samples and conversations."""
+
+    request_id: int
+    arrival_step: int
+    prompt_tokens: list[int]
+    num_tokens_to_generate: int
+    label: str
+
+
+def plan_requests(case: Case, tokenizer: ByteTokenizer) -> list[PlannedRequest]:
+    """Expand a case's requests into engine requests, ordered by arrival step then ID.
+
+    Raises:
+        CaseFileError: a prompt plus its generated tokens exceeds ``max_sequence_length``.
+    """
+    planned: list[PlannedRequest] = []
+    for index, spec in enumerate(case.requests):
+        for turn, text in enumerate(_prompts(spec)):
+            tokens = tokenizer.tokenize(spec.prefix + text)
+            total = len(tokens) + spec.num_tokens_to_generate
+            if total > case.inference.max_sequence_length:
+                raise CaseFileError(
+                    f"case '{case.name}': field 'requests.{index}': prompt of {len(tokens)} tokens "
+                    f"+ {spec.num_tokens_to_generate} generated = {total} exceeds "
+                    f"inference.max_sequence_length={case.inference.max_sequence_length}; "
+                    "shorten the prompt or raise max_sequence_length"
+                )
+            for sample in range(spec.samples):
+                planned.append(PlannedRequest(
+                    request_id=len(planned),
+                    arrival_step=spec.arrival_step + turn * spec.turn_interval,
+                    prompt_tokens=tokens,
+                    num_tokens_to_generate=spec.num_tokens_to_generate,
+                    label=f"r{index}" + (f".t{turn}" if spec.conversation else "") + f".s{sample}",
+                ))
+    return sorted(planned, key=lambda p: (p.arrival_step, p.request_id))
+
+
+def _prompts(spec: RequestSpec) -> list[str]:
+    if spec.prompt is not None:
+        return [spec.prompt]
+    turns, history = [], ""
+    for k in range(0, len(spec.conversation), 2):
+        history += spec.conversation[k]
+        turns.append(history)
+        if k + 1 < len(spec.conversation):
+            history += spec.conversation[k + 1]
+    return turns
+
+
+def shipped_cases() -> list[str]:
+    """Names of the cases shipped with megatron-ext, sorted."""
+    files = importlib.resources.files(__package__).iterdir()
+    return sorted(f.name[: -len(".yaml")] for f in files if f.name.endswith(".yaml"))
+
+
+def load_case(name_or_path: str) -> Case:
+    """Load a shipped case by name or a case file by path.
+
+    Raises:
+        CaseFileError: unknown name, unreadable file, invalid YAML, or a bad field (named).
+    """
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise CaseFileError(f"cannot read case file {path}: {exc}") from None
+        source = str(path)
+    elif name_or_path in shipped_cases():
+        text = importlib.resources.files(__package__).joinpath(f"{name_or_path}.yaml").read_text()
+        source = f"shipped case '{name_or_path}'"
+    else:
+        raise CaseFileError(
+            f"no case named '{name_or_path}'; shipped cases: {', '.join(shipped_cases())} "
+            "(or pass a path to a .yaml file)"
+        )
+    return parse_case(text, source)
+
+
+def parse_case(text: str, source: str = "<string>") -> Case:
+    """Validate YAML text as a :class:`Case`. Raises CaseFileError naming the bad field."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise CaseFileError(f"{source}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise CaseFileError(f"{source}: expected a mapping with 'name' and 'requests' at the top level")
+    try:
+        return Case.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"field '{'.'.join(str(p) for p in err['loc']) or '<top>'}': {err['msg']}"
+            for err in exc.errors()
+        )
+        raise CaseFileError(f"{source}: {problems}") from None

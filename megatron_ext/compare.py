@@ -1,0 +1,124 @@
+"""Bit-for-bit comparison of two runs of the same requests (A: prefix caching off, B: on).
+
+Works on plain records (:class:`RequestOutput`), so it also serves runs recorded elsewhere: the
+``ab`` harness fills them from megatron-core's engine, tests fill them by hand.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced in one run.
+
+    Attributes:
+        request_id: engine request ID (the same in A and B).
+        label: human name from the case, e.g. ``r0.s2`` (request 0, sample 2).
+        prompt_length: prompt tokens.
+        tokens: generated token IDs, in order.
+        log_probs: log-probability (natural log, as returned by megatron-core, float32 values
+            carried as Python floats) of each generated token; same length as ``tokens``.
+        token_steps: engine step (0-based) at which each generated token was produced.
+        logits: optional full-vocabulary logits per generated token, ``[len(tokens)][vocab]``.
+    """
+
+    request_id: int
+    label: str
+    prompt_length: int
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    token_steps: list[int] = field(default_factory=list)
+    logits: Optional[list[list[float]]] = None
+
+
+@dataclass
+class RequestDiff:
+    """A vs B for one request.
+
+    Attributes:
+        tokens_equal: same generated tokens.
+        log_probs_equal: same log-prob bits for every generated token (and same count).
+        logits_equal: same logits bits, or None when logits were not recorded.
+        first_divergent_position: index of the first generated token whose token or log-prob
+            bits differ, or None.
+        first_divergent_step: B's engine step of that token, or None.
+        max_abs_delta_log_prob: max |A - B| over positions both runs produced (0.0 if identical).
+        abs_delta_log_prob: |A - B| per position, for plots.
+    """
+
+    request_id: int
+    label: str
+    tokens_equal: bool
+    log_probs_equal: bool
+    logits_equal: Optional[bool]
+    first_divergent_position: Optional[int]
+    first_divergent_step: Optional[int]
+    max_abs_delta_log_prob: float
+    abs_delta_log_prob: list[float]
+
+    @property
+    def identical(self) -> bool:
+        return self.tokens_equal and self.log_probs_equal and self.logits_equal is not False
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["identical"] = self.identical
+        return out
+
+
+def same_bits(x: float, y: float) -> bool:
+    """True if two floats have identical IEEE-754 double bits (NaN == NaN of the same payload)."""
+    return struct.pack("<d", x) == struct.pack("<d", y)
+
+
+def compare_request(a: RequestOutput, b: RequestOutput) -> RequestDiff:
+    """Compare one request's outputs. Raises ValueError if the IDs differ."""
+    if a.request_id != b.request_id:
+        raise ValueError(f"comparing different requests: {a.request_id} vs {b.request_id}")
+    common = min(len(a.tokens), len(b.tokens))
+    deltas = [abs(a.log_probs[i] - b.log_probs[i]) for i in range(min(len(a.log_probs), len(b.log_probs)))]
+    first = next(
+        (i for i in range(common)
+         if a.tokens[i] != b.tokens[i] or not same_bits(a.log_probs[i], b.log_probs[i])),
+        None,
+    )
+    if first is None and (len(a.tokens) != len(b.tokens) or len(a.log_probs) != len(b.log_probs)):
+        first = common
+    logits_equal = None
+    if a.logits is not None and b.logits is not None:
+        logits_equal = len(a.logits) == len(b.logits) and all(
+            len(x) == len(y) and all(same_bits(p, q) for p, q in zip(x, y))
+            for x, y in zip(a.logits, b.logits)
+        )
+    finite = [d for d in deltas if not math.isnan(d)]
+    return RequestDiff(
+        request_id=a.request_id,
+        label=a.label,
+        tokens_equal=a.tokens == b.tokens,
+        log_probs_equal=len(a.log_probs) == len(b.log_probs)
+        and all(same_bits(x, y) for x, y in zip(a.log_probs, b.log_probs)),
+        logits_equal=logits_equal,
+        first_divergent_position=first,
+        first_divergent_step=(b.token_steps[first] if first is not None and first < len(b.token_steps) else None),
+        max_abs_delta_log_prob=max(finite, default=0.0),
+        abs_delta_log_prob=deltas,
+    )
+
+
+def compare_runs(a: dict[int, RequestOutput], b: dict[int, RequestOutput]) -> list[RequestDiff]:
+    """Compare every request of two runs, by request ID.
+
+    Raises:
+        ValueError: the runs do not hold the same request IDs.
+    """
+    if a.keys() != b.keys():
+        raise ValueError(
+            f"runs hold different requests: only in A {sorted(a.keys() - b.keys())}, "
+            f"only in B {sorted(b.keys() - a.keys())}"
+        )
+    return [compare_request(a[rid], b[rid]) for rid in sorted(a)]

@@ -1,0 +1,48 @@
+"""A/B comparison: bit equality, first divergence, deltas."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ext.compare import RequestOutput, compare_request, compare_runs
+
+
+def out(tokens, log_probs, steps=None, logits=None):
+    return RequestOutput(7, "r0.s0", 5, list(tokens), list(log_probs),
+                         list(steps or range(len(tokens))), logits)
+
+
+def test_identical_runs():
+    diff = compare_request(out([1, 2], [-0.5, -1.25]), out([1, 2], [-0.5, -1.25]))
+    assert diff.identical and diff.first_divergent_position is None
+    assert diff.max_abs_delta_log_prob == 0.0
+
+
+def test_last_bit_difference_in_a_log_prob_is_found():
+    b_value = -1.25 + 2.0**-52  # one ulp of 1.25
+    diff = compare_request(out([1, 2, 3], [-0.5, -1.25, -2.0], [3, 4, 5]),
+                           out([1, 2, 3], [-0.5, b_value, -2.0], [3, 4, 5]))
+    assert diff.tokens_equal and not diff.log_probs_equal and not diff.identical
+    assert diff.first_divergent_position == 1
+    assert diff.first_divergent_step == 4
+    assert diff.max_abs_delta_log_prob == 2.0**-52
+    assert diff.abs_delta_log_prob == [0.0, 2.0**-52, 0.0]
+
+
+def test_token_divergence_and_length_mismatch():
+    diff = compare_request(out([1, 2, 9], [-0.5, -1.0, -3.0]), out([1, 2, 4], [-0.5, -1.0, -3.0]))
+    assert not diff.tokens_equal and diff.log_probs_equal
+    assert diff.first_divergent_position == 2
+    shorter = compare_request(out([1, 2], [-0.5, -1.0]), out([1], [-0.5]))
+    assert shorter.first_divergent_position == 1 and not shorter.log_probs_equal
+
+
+def test_logits_compared_bitwise_when_recorded():
+    a = out([1], [-0.5], logits=[[0.1, 0.2]])
+    assert compare_request(a, out([1], [-0.5], logits=[[0.1, 0.2]])).logits_equal is True
+    assert compare_request(a, out([1], [-0.5], logits=[[0.1, 0.2000001]])).logits_equal is False
+
+
+def test_runs_must_hold_the_same_requests():
+    with pytest.raises(ValueError, match=r"only in A \[7\], only in B \[\]"):
+        compare_runs({7: out([1], [-0.5])}, {})
