@@ -45,6 +45,9 @@ class ContextAudit:
     """Attach to a context, call :meth:`end_step` after each engine step and :meth:`drain` at the end.
 
     Attributes:
+        counters: prefix-cache counters measured at ``add_request`` (megatron-core's own ones
+            differ between releases and the engine resets them while logging): ``cache_hits``,
+            ``blocks_matched``, ``prefill_tokens_skipped``, ``prefill_tokens_computed``.
         violations: unique violations seen so far (a KV write violation is counted once per
             step, request and block, not once per layer or token).
         kv_writes_checked: number of (token, layer) KV writes inspected.
@@ -52,11 +55,13 @@ class ContextAudit:
     """
 
     context: Any
+    check_ref_counts: bool = True  # False with prefix caching off: no ref counts exist then
     step: int = 0
     violations: list[Violation] = field(default_factory=list)
     kv_writes_checked: int = 0
     steps_checked: int = 0
     matched_blocks: dict[int, set[int]] = field(default_factory=dict)
+    counters: Counter = field(default_factory=Counter)
     _seen: set[tuple] = field(default_factory=set)
     _allocated_in_call: list[int] = field(default_factory=list)
 
@@ -76,8 +81,14 @@ class ContextAudit:
         def audited_add_request(req, prefill_chunk_length=None):
             self._allocated_in_call.clear()
             row, finished = ctx.total_request_count, req.finished_chunk_token_count
+            chunk = req.remaining_prompt_length if prefill_chunk_length is None else prefill_chunk_length
+            first_token = ctx.active_token_count
             result = add_request(req, prefill_chunk_length)
-            self._record_matches(req.request_id, row, finished)
+            matched = self._record_matches(req.request_id, row, finished)
+            computed = ctx.active_token_count - first_token
+            self.counters.update(blocks_matched=matched, cache_hits=int(matched > 0),
+                                 prefill_tokens_computed=computed,
+                                 prefill_tokens_skipped=chunk - computed)
             return result
 
         def audited_append(layer_number, key, value):
@@ -96,7 +107,8 @@ class ContextAudit:
 
     # -- KV write audit -------------------------------------------------------------------------
 
-    def _record_matches(self, request_id: int, row: int, finished_tokens: int) -> None:
+    def _record_matches(self, request_id: int, row: int, finished_tokens: int) -> int:
+        """Remember which new block-table entries came from a hash match; return how many."""
         ctx = self.context
         first_new = -(-finished_tokens // ctx.block_size_tokens)  # blocks held before this chunk
         count = int(ctx.request_kv_block_counts[row])
@@ -105,6 +117,7 @@ class ContextAudit:
         if finished_tokens == 0:  # a first chunk: a new request or one re-added after eviction
             self.matched_blocks[request_id] = set()
         self.matched_blocks.setdefault(request_id, set()).update(matched)
+        return len(matched)
 
     def _check_kv_writes(self) -> None:
         ctx = self.context
@@ -154,6 +167,9 @@ class ContextAudit:
 
     def end_step(self) -> None:
         """Check ref counts against live owners and the free pool; then advance the step."""
+        if not self.check_ref_counts:
+            self.step += 1
+            return
         allocator = self.context.kv_block_allocator
         owners = self.owner_counts()
         ref_counts = allocator.block_ref_counts.tolist()
@@ -210,6 +226,9 @@ class ContextAudit:
         for v in self.violations:
             first.setdefault(v.kind, []).append(f"step {v.step}: {v.detail}")
         return {
+            "prefix_cache": {k: int(self.counters.get(k, 0)) for k in
+                             ("cache_hits", "blocks_matched", "prefill_tokens_skipped",
+                              "prefill_tokens_computed")},
             "kv_write_violations": self.count("kv_write"),
             "refcount_violations": self.count("ref_count", "free_pool", "drain"),
             "kv_writes_checked": self.kv_writes_checked,

@@ -51,6 +51,32 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 1 if any(r.state.value == "refused" for r in results) else 0
 
 
+def cmd_ab(args: argparse.Namespace) -> int:
+    """Run a case with prefix caching off and on; exit 0 only if bit-identical and audit-clean."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from .ab import run_ab
+    from .ab_report import print_report, write_plot
+    from .cases import load_case, shipped_cases
+
+    if args.list_cases:
+        print("\n".join(shipped_cases()))
+        return 0
+    case = load_case(args.case)
+    with tqdm(desc=f"{case.name}: engine steps", unit="step", disable=args.no_progress,
+              leave=False) as bar:
+        result = run_ab(case, patched=not args.unpatched, device=args.device,
+                        on_step=lambda _step: bar.update(1))
+    print_report(result, Console(width=args.width))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.as_json(), indent=2))
+    if args.plot:
+        write_plot(result, Path(args.plot))
+    return result.exit_code()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-ext",
@@ -62,12 +88,39 @@ def build_parser() -> argparse.ArgumentParser:
     p_status.add_argument("--force", action="store_true", help="as MEGATRON_EXT_FORCE=1")
     p_status.add_argument("--width", type=int, default=None, help="table width in columns")
     p_status.set_defaults(func=cmd_status)
+
+    p_ab = sub.add_parser(
+        "ab", help="prefix caching off vs on through megatron-core's dynamic engine, bit for bit",
+        description="Exit codes: 0 bit-identical and every audit holds; 1 divergence, audit "
+        "violation or unmet expectation; 2 bad input; 3 platform not batch-invariant.")
+    p_ab.add_argument("--case", default="rl_rollouts",
+                      help="shipped case name or path to a case YAML file (default: rl_rollouts)")
+    p_ab.add_argument("--unpatched", action="store_true",
+                      help="run megatron-core as released, without megatron-ext's runtime patches")
+    p_ab.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p_ab.add_argument("--plot", metavar="PNG", help="also plot |Δ log-prob| per step (matplotlib)")
+    p_ab.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p_ab.add_argument("--list-cases", action="store_true", help="print the shipped case names")
+    p_ab.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_ab.add_argument("--width", type=int, default=None, help="table width in columns")
+    p_ab.set_defaults(func=cmd_ab)
     return parser
+
+
+def _quiet_imports() -> None:
+    # megatron-core warns at import about optional packages (TE, Apex, absl) the CLI never needs.
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=SyntaxWarning)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Errors of megatron-ext print one line on stderr and exit 2."""
     args = build_parser().parse_args(argv)
+    _quiet_imports()
     try:
         return args.func(args)
     except MegatronExtError as exc:

@@ -80,14 +80,15 @@ def compare_request(a: RequestOutput, b: RequestOutput) -> RequestDiff:
     """Compare one request's outputs. Raises ValueError if the IDs differ."""
     if a.request_id != b.request_id:
         raise ValueError(f"comparing different requests: {a.request_id} vs {b.request_id}")
-    common = min(len(a.tokens), len(b.tokens))
+    common = min(len(a.tokens), len(b.tokens), len(a.log_probs), len(b.log_probs))
     deltas = [abs(a.log_probs[i] - b.log_probs[i]) for i in range(min(len(a.log_probs), len(b.log_probs)))]
     first = next(
         (i for i in range(common)
          if a.tokens[i] != b.tokens[i] or not same_bits(a.log_probs[i], b.log_probs[i])),
         None,
     )
-    if first is None and (len(a.tokens) != len(b.tokens) or len(a.log_probs) != len(b.log_probs)):
+    lengths_differ = len(a.tokens) != len(b.tokens) or len(a.log_probs) != len(b.log_probs)
+    if first is None and lengths_differ:
         first = common
     logits_equal = None
     if a.logits is not None and b.logits is not None:

@@ -1,0 +1,194 @@
+"""``megatron-ext ab``: run a case with prefix caching off (A) and on (B) and compare bit for bit.
+
+A runs once; B runs once per eviction policy the case lists. Same model weights, same seed, same
+arrival schedule. The verdict is positive only if every B equals A bit for bit, every audit holds
+and the case's expectations (e.g. that prefix caching really skipped prefill) are met.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+from . import mcore
+from .api import apply, revert
+from .cases import Case, plan_requests
+from .compare import RequestDiff, compare_runs
+from .engine import build_engine, build_model, ensure_model_parallel
+from .harness import RunRecord, drive
+from .tokenizer import ByteTokenizer
+
+#: Exit codes of ``megatron-ext ab``.
+EXIT_OK, EXIT_DIVERGED, EXIT_NOT_INVARIANT = 0, 1, 3
+
+
+@dataclass
+class PolicyResult:
+    """B under one eviction policy, compared with A."""
+
+    policy: str
+    run: RunRecord
+    diffs: list[RequestDiff]
+
+    @property
+    def bit_identical(self) -> bool:
+        return all(d.identical for d in self.diffs)
+
+
+@dataclass
+class ABResult:
+    """Everything ``ab`` found; :meth:`as_json` is what ``--json`` writes."""
+
+    case: Case
+    megatron_core_version: str
+    device: str
+    patches: list[dict]
+    invariance: tuple[bool, str]
+    baseline: RunRecord
+    policies: list[PolicyResult] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def bit_identical(self) -> bool:
+        return all(p.bit_identical for p in self.policies)
+
+    def total(self, key: str) -> int:
+        return sum(p.run.audit.get(key, 0) for p in self.policies) + self.baseline.audit.get(key, 0)
+
+    def failures(self) -> list[str]:
+        """Why the verdict is negative, one sentence each; empty when everything holds."""
+        problems = []
+        if not self.invariance[0]:
+            problems.append(f"the platform is not batch-invariant: {self.invariance[1]}")
+        if self.total("kv_write_violations"):
+            problems.append(
+                f"fix 2 fault (matched-block-writes): {self.total('kv_write_violations')} KV writes "
+                "into blocks obtained by a hash match")
+        if self.total("refcount_violations"):
+            problems.append(
+                f"fix 1 fault (release-refcount): {self.total('refcount_violations')} ref-count / "
+                "free-pool / drain violations (shared blocks leaked)")
+        expect = self.case.expectations
+        for p in self.policies:
+            if expect.bit_identical and not p.bit_identical:
+                bad = [d.label for d in p.diffs if not d.identical]
+                problems.append(f"{p.policy}: {len(bad)} requests differ with caching on vs off: {', '.join(bad[:6])}")
+            if p.run.counters.get("blocks_matched", 0) < expect.min_blocks_matched:
+                problems.append(f"{p.policy}: only {p.run.counters.get('blocks_matched', 0)} blocks "
+                                f"matched, case expects >= {expect.min_blocks_matched}")
+            if p.run.counters.get("prefill_tokens_skipped", 0) < expect.min_prefill_tokens_skipped:
+                problems.append(f"{p.policy}: only {p.run.counters.get('prefill_tokens_skipped', 0)} prefill "
+                                f"tokens skipped, case expects >= {expect.min_prefill_tokens_skipped}")
+        return problems
+
+    def exit_code(self) -> int:
+        if not self.invariance[0]:
+            return EXIT_NOT_INVARIANT
+        return EXIT_OK if not self.failures() else EXIT_DIVERGED
+
+    def as_json(self) -> dict[str, Any]:
+        first = self.policies[0] if self.policies else None
+        return {
+            "case": self.case.name,
+            "bit_identical": self.bit_identical,
+            "verdict": "pass" if not self.failures() else "fail",
+            "failures": self.failures(),
+            "num_requests": len(self.baseline.outputs),
+            "kv_write_violations": self.total("kv_write_violations"),
+            "refcount_violations": self.total("refcount_violations"),
+            "prefill_tokens_skipped": sum(p.run.counters.get("prefill_tokens_skipped", 0) for p in self.policies),
+            "blocks_matched": sum(p.run.counters.get("blocks_matched", 0) for p in self.policies),
+            "megatron_core_version": self.megatron_core_version,
+            "device": self.device,
+            "patches": self.patches,
+            "batch_invariance_check": {"ok": self.invariance[0], "detail": self.invariance[1]},
+            "wall_s": round(self.wall_s, 3),
+            "baseline": _run_json(self.baseline),
+            "policies": [
+                {"eviction_policy": p.policy, "bit_identical": p.bit_identical, "run": _run_json(p.run),
+                 "requests": [d.as_dict() for d in p.diffs]}
+                for p in self.policies
+            ],
+            "example_divergence": next((d.as_dict() for d in first.diffs if not d.identical), None) if first else None,
+        }
+
+
+def _run_json(run: RunRecord) -> dict[str, Any]:
+    return {
+        "prefix_caching": run.prefix_caching,
+        "eviction_policy": run.eviction_policy,
+        "steps": run.steps,
+        "wall_s": round(run.wall_s, 3),
+        "counters": run.counters,
+        "audit": run.audit,
+        "outputs": {rid: {"label": o.label, "tokens": o.tokens, "log_probs": o.log_probs,
+                          "token_steps": o.token_steps} for rid, o in run.outputs.items()},
+    }
+
+
+@contextlib.contextmanager
+def backend(device: str) -> Iterator[tuple[bool, str]]:
+    """The compute backend for a run; yields the batch-invariance self-check result.
+
+    ``cpu``: megatron-ext's CPU backend with batch-invariant matmuls and its self-check.
+    ``cuda``: the GPU as it is; bit-identity then relies on the kernels the user configured.
+
+    Raises:
+        RuntimeError: ``cuda`` asked for but no CUDA device is available.
+    """
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: no CUDA device is available here; use --device cpu")
+        yield True, "not checked on cuda (configure megatron-core's batch_invariant_mode yourself)"
+        return
+    from .cpu_backend import cpu_backend, self_check
+
+    with cpu_backend():
+        yield self_check()
+
+
+def run_ab(
+    case: Case,
+    patched: bool = True,
+    device: str = "cpu",
+    on_step: Optional[Callable[[int], None]] = None,
+) -> ABResult:
+    """Run A (caching off) and B (caching on, per policy) and compare.
+
+    Args:
+        case: the test case.
+        patched: apply megatron-ext's runtime patches first (else make sure none is applied).
+        device: ``cpu`` or ``cuda``.
+        on_step: called after every engine step of every run (progress bars).
+
+    Raises:
+        MegatronCoreNotFoundError, CaseFileError (prompt too long), EngineStuckError, RuntimeError.
+    """
+    started = time.perf_counter()
+    planned = plan_requests(case, ByteTokenizer())
+    patch_results = apply() if patched else revert()
+    patches = [r.as_dict() for r in patch_results]
+    with backend(device) as invariance:
+        ensure_model_parallel()
+        model = build_model(case)
+        baseline = _one_run(model, case, planned, False, case.prefix_caching_eviction_policies[0], on_step)
+        result = ABResult(case, mcore.installed_version(), device, patches, invariance, baseline)
+        for policy in case.prefix_caching_eviction_policies:
+            run = _one_run(model, case, planned, True, policy, on_step)
+            result.policies.append(PolicyResult(policy, run, compare_runs(baseline.outputs, run.outputs)))
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def _one_run(model, case, planned, prefix_caching, policy, on_step) -> RunRecord:
+    started = time.perf_counter()
+    engine, context = build_engine(model, case, prefix_caching, policy)
+    record = RunRecord(prefix_caching, policy if prefix_caching else None)
+    record.total_blocks = int(context.kv_block_allocator.total_count)
+    drive(engine, context, case, planned, record, on_step)
+    record.wall_s = time.perf_counter() - started
+    return record

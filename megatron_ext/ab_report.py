@@ -1,0 +1,99 @@
+"""Human output of ``megatron-ext ab``: tables per policy, counters, audits, verdict; optional plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .ab import ABResult, PolicyResult
+
+
+def _yes_no(value: bool) -> str:
+    return "[green]yes[/]" if value else "[bold red]NO[/]"
+
+
+def request_table(result: ABResult, policy: PolicyResult) -> Table:
+    """One row per request: equality, first divergence, max |delta log-prob|."""
+    table = Table(title=f"{result.case.name}: caching off (A) vs on (B), eviction policy {policy.policy}")
+    for column in ("request", "id", "tokens equal", "log-probs equal", "first divergent step",
+                   "first divergent token", "max |Δ log-prob|"):
+        table.add_column(column, justify="right" if column != "request" else "left")
+    for diff in policy.diffs:
+        table.add_row(
+            diff.label, str(diff.request_id), _yes_no(diff.tokens_equal), _yes_no(diff.log_probs_equal),
+            "-" if diff.first_divergent_step is None else str(diff.first_divergent_step),
+            "-" if diff.first_divergent_position is None else str(diff.first_divergent_position),
+            f"{diff.max_abs_delta_log_prob:.3g}",
+        )
+    return table
+
+
+def summary_table(result: ABResult) -> Table:
+    """Per run: steps, time, prefix-cache counters, audit results."""
+    table = Table(title="runs, prefix-cache counters and audits")
+    for column in ("run", "steps", "seconds", "cache hits", "blocks matched", "prefill tokens skipped",
+                   "prefill tokens computed", "KV writes checked", "KV write violations",
+                   "ref-count violations"):
+        table.add_column(column, justify="right" if column != "run" else "left")
+    runs = [("A: caching off", result.baseline)] + [(f"B: caching on, {p.policy}", p.run) for p in result.policies]
+    for name, run in runs:
+        counters, audit = run.counters, run.audit
+        table.add_row(
+            name, str(run.steps), f"{run.wall_s:.1f}",
+            *(str(counters.get(k, 0)) for k in ("cache_hits", "blocks_matched", "prefill_tokens_skipped",
+                                                 "prefill_tokens_computed")),
+            str(audit.get("kv_writes_checked", 0)),
+            _count(audit.get("kv_write_violations", 0)),
+            _count(audit.get("refcount_violations", 0)) if run.prefix_caching else "n/a",
+        )
+    return table
+
+
+def _count(n: int) -> str:
+    return "0" if n == 0 else f"[bold red]{n}[/]"
+
+
+def print_report(result: ABResult, console: Console) -> None:
+    """The whole human report: header, tables, audit examples, verdict."""
+    applied = ", ".join(f"{p['patch']}: {p['state']}" for p in result.patches)
+    console.print(f"megatron-core {result.megatron_core_version} on {result.device}; patches: {applied}")
+    ok, detail = result.invariance
+    console.print(f"batch-invariance self-check: {'ok' if ok else '[bold red]FAILED[/]'} ({detail})")
+    for policy in result.policies:
+        console.print(request_table(result, policy))
+    console.print(summary_table(result))
+    for run in [result.baseline] + [p.run for p in result.policies]:
+        for kind, lines in run.audit.get("examples", {}).items():
+            for line in lines:
+                console.print(f"  [red]{kind}[/] ({run.eviction_policy or 'caching off'}): {line}")
+    failures = result.failures()
+    if failures:
+        console.print("[bold red]FAIL[/]:")
+        for failure in failures:
+            console.print(f"  - {failure}")
+    else:
+        console.print(f"[bold green]PASS[/]: {len(result.baseline.outputs)} requests bit-identical with "
+                      f"prefix caching on and off; every audit holds ({result.wall_s:.1f} s)")
+
+
+def write_plot(result: ABResult, path: Path) -> None:
+    """PNG of |Δ log-prob| per engine step of B, one line per request that diverged (all zero
+    if none did), one panel per eviction policy. Needs matplotlib (``pip install .[plot]``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(result.policies), 1, figsize=(8, 3 * len(result.policies)), squeeze=False)
+    for ax, policy in zip(axes[:, 0], result.policies):
+        for diff in policy.diffs:
+            steps = policy.run.outputs[diff.request_id].token_steps[: len(diff.abs_delta_log_prob)]
+            ax.plot(steps, diff.abs_delta_log_prob, marker=".", label=diff.label)
+        ax.set_title(f"{result.case.name}, {policy.policy}: |log-prob(A) - log-prob(B)| per step")
+        ax.set_xlabel("engine step (B)")
+        ax.set_ylabel("|Δ log-prob| (nats)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,116 @@
+"""Build megatron-core's GPT model and dynamic inference engine for a case.
+
+Only megatron-core's own classes are used: ``GPTModel`` with the local layer spec (no Transformer
+Engine), ``DynamicInferenceContext``, ``GPTInferenceWrapper``, ``TextGenerationController`` and
+``DynamicInferenceEngine``. The constructors are the same in 0.17, 0.18 and 0.19.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import types
+from typing import Any
+
+import torch
+
+from . import mcore
+from .cases import Case
+from .tokenizer import ByteTokenizer
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def ensure_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
+    """Initialize torch.distributed (gloo; one rank unless launched by torchrun) and megatron-core's
+    parallel state, once per process.
+
+    Raises:
+        RuntimeError: the world size does not fit the requested TP x PP layout.
+    """
+    dist = torch.distributed
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+            dist.init_process_group("gloo")
+        else:
+            init = f"file://{tempfile.mktemp(prefix='megatron-ext-pg-')}"
+            dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    parallel_state = mcore.import_module("megatron.core.parallel_state")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+
+
+def transformer_config(case: Case) -> Any:
+    """megatron-core ``TransformerConfig`` for the case's model (CPU initialization, no TE)."""
+    module = mcore.import_module("megatron.core.transformer.transformer_config")
+    spec = case.model
+    dtype = _DTYPES[spec.params_dtype]
+    return module.TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        params_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        use_cpu_initialization=True,
+    )
+
+
+def build_model(case: Case) -> Any:
+    """GPTModel with seeded random weights (``case.model.seed``), in eval mode.
+
+    Returns a ``megatron.core.models.gpt.GPTModel`` whose parameters have dtype
+    ``case.model.params_dtype``. Calling twice with the same case gives identical weights.
+    """
+    gpt_model = mcore.import_module("megatron.core.models.gpt.gpt_model")
+    layer_specs = mcore.import_module("megatron.core.models.gpt.gpt_layer_specs")
+    random = mcore.import_module("megatron.core.tensor_parallel.random")
+    config = transformer_config(case)
+    torch.manual_seed(case.model.seed)
+    random.model_parallel_cuda_manual_seed(case.model.seed)
+    model = gpt_model.GPTModel(
+        config=config,
+        transformer_layer_spec=layer_specs.get_gpt_layer_local_spec(),
+        vocab_size=case.model.vocab_size,
+        max_sequence_length=case.model.max_position_embeddings,
+    )
+    return model.to(_DTYPES[case.model.params_dtype]).eval()
+
+
+def inference_config(case: Case, prefix_caching: bool, eviction_policy: str) -> Any:
+    """megatron-core ``InferenceConfig`` from the case's ``inference`` section."""
+    module = mcore.import_module("megatron.core.inference.config")
+    return module.InferenceConfig(
+        **case.inference.model_dump(),
+        enable_prefix_caching=prefix_caching,
+        prefix_caching_eviction_policy=getattr(module.PrefixCachingEvictionPolicy, eviction_policy.upper()),
+    )
+
+
+def engine_tokenizer(tokenizer: ByteTokenizer) -> Any:
+    """The tokenizer object megatron-core's controller expects (``eod``, ``detokenize`` ...)."""
+    return types.SimpleNamespace(
+        eod=tokenizer.eod,
+        vocab_size=tokenizer.vocab_size,
+        tokenize=tokenizer.tokenize,
+        detokenize=lambda ids, **_: tokenizer.detokenize(list(ids)),
+    )
+
+
+def build_engine(model: Any, case: Case, prefix_caching: bool, eviction_policy: str) -> tuple[Any, Any]:
+    """A fresh ``DynamicInferenceContext`` and ``DynamicInferenceEngine`` around ``model``.
+
+    Returns:
+        ``(engine, context)``.
+    """
+    dynamic_context = mcore.import_module(mcore.DYNAMIC_CONTEXT_MODULE)
+    wrapper = mcore.import_module("megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper")
+    controller = mcore.import_module(
+        "megatron.core.inference.text_generation_controllers.text_generation_controller")
+    engines = mcore.import_module("megatron.core.inference.engines.dynamic_engine")
+    context = dynamic_context.DynamicInferenceContext(
+        model.config, inference_config(case, prefix_caching, eviction_policy))
+    wrapped = wrapper.GPTInferenceWrapper(model, context)
+    text_controller = controller.TextGenerationController(wrapped, engine_tokenizer(ByteTokenizer()))
+    return engines.DynamicInferenceEngine(text_controller, context), context

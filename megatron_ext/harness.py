@@ -1,0 +1,135 @@
+"""Run one case through megatron-core's dynamic inference engine and record what it produced.
+
+A run builds the model and engine for the case (prefix caching on or off, one eviction policy),
+feeds each planned request at its arrival step, steps the engine until every request finished,
+and records per request the generated tokens, their log-probs and the step each token came from.
+The context audits (:mod:`megatron_ext.audit`) check every step; the prefix-cache counters are
+read from the context at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from . import mcore
+from .audit import ContextAudit
+from .cases import Case, PlannedRequest
+from .compare import RequestOutput
+
+#: A run that has not drained after this many engine steps per request is declared stuck.
+MAX_STEPS_PER_REQUEST = 200
+
+
+class EngineStuckError(RuntimeError):
+    """The engine stopped making progress (requests left, step budget spent)."""
+
+
+@dataclass
+class RunRecord:
+    """One run of a case.
+
+    Attributes:
+        prefix_caching: whether prefix caching was on.
+        eviction_policy: ``ref_zero`` / ``lru`` (None with prefix caching off).
+        outputs: request ID -> :class:`RequestOutput`.
+        steps: engine steps taken (idle steps waiting for an arrival included).
+        counters: prefix-cache counters read from the context (``blocks_matched``,
+            ``prefill_tokens_skipped``, ``prefill_tokens_computed``, ``cache_hits``), all ints.
+        audit: :meth:`ContextAudit.summary` of the run.
+        wall_s: wall-clock seconds for the run, build included.
+        total_blocks: KV blocks in the context (dummy block included).
+    """
+
+    prefix_caching: bool
+    eviction_policy: Optional[str]
+    outputs: dict[int, RequestOutput] = field(default_factory=dict)
+    steps: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+    audit: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
+    total_blocks: int = 0
+
+
+def sampling_params(case: Case, planned: PlannedRequest):
+    """megatron-core ``SamplingParams`` for one request: the case's sampling, log-probs on."""
+    module = mcore.import_module("megatron.core.inference.sampling_params")
+    return module.SamplingParams(
+        temperature=case.sampling.temperature,
+        top_k=case.sampling.top_k,
+        top_p=case.sampling.top_p,
+        return_log_probs=True,
+        skip_prompt_log_probs=True,  # prompt log-probs of skipped (cached) tokens do not exist
+        num_tokens_to_generate=planned.num_tokens_to_generate,
+    )
+
+
+def _generated(engine: Any, request_id: int) -> int:
+    """Tokens generated so far by a live request, over all its checkpoints (evictions)."""
+    record = engine.requests[request_id].record
+    return sum(len(r.generated_tokens) for r in record)
+
+
+def _finish(output: RequestOutput, record: Any) -> None:
+    merged = record.merge() if hasattr(record, "merge") else record
+    output.tokens = [int(t) for t in merged.generated_tokens]
+    output.log_probs = [float(x) for x in (merged.generated_log_probs or [])]
+
+
+def drive(
+    engine: Any,
+    context: Any,
+    case: Case,
+    planned: list[PlannedRequest],
+    record: RunRecord,
+    on_step: Optional[Callable[[int], None]] = None,
+) -> None:
+    """Feed requests at their arrival steps and step the engine until all are finished.
+
+    Raises:
+        EngineStuckError: more than ``MAX_STEPS_PER_REQUEST * len(planned)`` steps.
+    """
+    audit = ContextAudit(context, check_ref_counts=context.enable_prefix_caching).attach()
+    waiting = deque(planned)
+    live: set[int] = set()
+    budget = MAX_STEPS_PER_REQUEST * len(planned)
+    try:
+        while waiting or live:
+            while waiting and waiting[0].arrival_step <= record.steps:
+                request = waiting.popleft()
+                engine.add_request(request.request_id, list(request.prompt_tokens),
+                                   sampling_params(case, request))
+                record.outputs[request.request_id] = RequestOutput(
+                    request.request_id, request.label, len(request.prompt_tokens))
+                live.add(request.request_id)
+            if live:
+                result = engine.step_modern()
+                for finished in (result or {}).get("finished_request_records", []):
+                    request_id = finished.request_id if hasattr(finished, "request_id") else finished[-1].request_id
+                    _finish(record.outputs[request_id], finished)
+                    live.discard(request_id)
+                _note_token_steps(engine, record, live)
+                audit.end_step()
+            record.steps += 1
+            if on_step:
+                on_step(record.steps)
+            if record.steps > budget:
+                raise EngineStuckError(
+                    f"case '{case.name}': {len(live) + len(waiting)} requests unfinished after "
+                    f"{record.steps} steps; the engine made no progress"
+                )
+        if context.enable_prefix_caching:
+            audit.drain()
+    finally:
+        audit.detach()
+    record.audit = audit.summary()
+    record.counters = record.audit.pop("prefix_cache")
+
+
+def _note_token_steps(engine: Any, record: RunRecord, live: set[int]) -> None:
+    """Extend each request's ``token_steps`` with the current step for tokens new this step."""
+    for request_id, output in record.outputs.items():
+        produced = len(output.tokens) if request_id not in live else _generated(engine, request_id)
+        output.token_steps.extend([record.steps] * (produced - len(output.token_steps)))
