@@ -70,6 +70,9 @@ class ABResult:
             problems.append(
                 f"fix 1 fault (release-refcount): {self.total('refcount_violations')} ref-count / "
                 "free-pool / drain violations (shared blocks leaked)")
+        for run in [self.baseline] + [p.run for p in self.policies]:
+            if run.error:
+                problems.append(f"megatron-core raised in run {run.eviction_policy or 'caching off'} at {run.error}")
         expect = self.case.expectations
         for p in self.policies:
             if expect.bit_identical and not p.bit_identical:
@@ -118,6 +121,7 @@ class ABResult:
 def _run_json(run: RunRecord) -> dict[str, Any]:
     return {
         "prefix_caching": run.prefix_caching,
+        "error": run.error,
         "eviction_policy": run.eviction_policy,
         "steps": run.steps,
         "wall_s": round(run.wall_s, 3),
@@ -132,7 +136,9 @@ def _run_json(run: RunRecord) -> dict[str, Any]:
 def backend(device: str) -> Iterator[tuple[bool, str]]:
     """The compute backend for a run; yields the batch-invariance self-check result.
 
-    ``cpu``: megatron-ext's CPU backend with batch-invariant matmuls and its self-check.
+    ``cpu``: megatron-ext's CPU backend with batch-invariant matmuls and its self-check, on one
+    intra-op thread (results may depend on the thread count, and the row-wise bf16 products
+    stall for milliseconds per call with two threads on a busy 2-core machine).
     ``cuda``: the GPU as it is; bit-identity then relies on the kernels the user configured.
 
     Raises:
@@ -145,10 +151,17 @@ def backend(device: str) -> Iterator[tuple[bool, str]]:
             raise RuntimeError("--device cuda: no CUDA device is available here; use --device cpu")
         yield True, "not checked on cuda (configure megatron-core's batch_invariant_mode yourself)"
         return
+    import torch
+
     from .cpu_backend import cpu_backend, self_check
 
-    with cpu_backend():
-        yield self_check()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with cpu_backend():
+            yield self_check()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_ab(

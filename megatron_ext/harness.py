@@ -3,13 +3,15 @@
 A run builds the model and engine for the case (prefix caching on or off, one eviction policy),
 feeds each planned request at its arrival step, steps the engine until every request finished,
 and records per request the generated tokens, their log-probs and the step each token came from.
-The context audits (:mod:`megatron_ext.audit`) check every step; the prefix-cache counters are
-read from the context at the end.
+The context audits (:mod:`megatron_ext.audit`) check every step and count prefix-cache hits.
+An exception raised inside megatron-core ends the run and is recorded, not raised, so the report
+still shows what happened up to that step.
 """
 
 from __future__ import annotations
 
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -36,11 +38,13 @@ class RunRecord:
         eviction_policy: ``ref_zero`` / ``lru`` (None with prefix caching off).
         outputs: request ID -> :class:`RequestOutput`.
         steps: engine steps taken (idle steps waiting for an arrival included).
-        counters: prefix-cache counters read from the context (``blocks_matched``,
-            ``prefill_tokens_skipped``, ``prefill_tokens_computed``, ``cache_hits``), all ints.
+        counters: prefix-cache counters measured by the audit at each ``add_request``
+            (``blocks_matched``, ``prefill_tokens_skipped``, ``prefill_tokens_computed``,
+            ``cache_hits``), all ints.
         audit: :meth:`ContextAudit.summary` of the run.
         wall_s: wall-clock seconds for the run, build included.
         total_blocks: KV blocks in the context (dummy block included).
+        error: the exception megatron-core raised during the run, as one line, or None.
     """
 
     prefix_caching: bool
@@ -51,6 +55,7 @@ class RunRecord:
     audit: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
     total_blocks: int = 0
+    error: Optional[str] = None
 
 
 def sampling_params(case: Case, planned: PlannedRequest):
@@ -88,6 +93,9 @@ def drive(
 ) -> None:
     """Feed requests at their arrival steps and step the engine until all are finished.
 
+    An exception raised by megatron-core is caught and recorded in ``record.error`` (one line
+    with the innermost megatron-core frame); the audit results up to that step are kept.
+
     Raises:
         EngineStuckError: more than ``MAX_STEPS_PER_REQUEST * len(planned)`` steps.
     """
@@ -122,10 +130,25 @@ def drive(
                 )
         if context.enable_prefix_caching:
             audit.drain()
+    except EngineStuckError:
+        raise
+    except Exception as exc:  # megatron-core failed mid-run: report it with the step
+        record.error = f"step {record.steps}: {describe_exception(exc)}"
     finally:
         audit.detach()
     record.audit = audit.summary()
     record.counters = record.audit.pop("prefix_cache")
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``KeyError: 123 (in _find_kv_match_count, megatron/core/.../dynamic_context.py:1922)``."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    inner = next((f for f in reversed(frames) if "megatron/core" in f.filename), frames[-1] if frames else None)
+    where = ""
+    if inner is not None:
+        path = inner.filename[inner.filename.find("megatron/core"):] if "megatron/core" in inner.filename else inner.filename
+        where = f" (in {inner.name}, {path}:{inner.lineno})"
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _note_token_steps(engine: Any, record: RunRecord, live: set[int]) -> None:

@@ -43,14 +43,18 @@ Window = tuple[int, int]
 def _check_unsupported(**features: Any) -> None:
     """Raise NotImplementedError for flash-attn features the reference does not implement."""
     for name, value in features.items():
-        if value not in (None, 0, 0.0, False):
-            raise NotImplementedError(f"reference attention: {name}={value!r} is not supported")
+        # Tensors (ALiBi slopes, new keys) are "set" by being present at all.
+        if isinstance(value, torch.Tensor) or value not in (None, 0, 0.0, False):
+            shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
+            raise NotImplementedError(f"reference attention: {name}={shown} is not supported")
 
 
 def _key_range(position: int, seqlen_k: int, causal: bool, window: Window) -> tuple[int, int]:
-    """Half-open range of key positions visible to the query at bottom-right-aligned ``position``."""
+    """Half-open range of keys visible to the query at (bottom-right-aligned) ``position``."""
     left, right = window
-    hi = seqlen_k if (not causal and right < 0) else min(seqlen_k, position + (0 if causal else right) + 1)
+    if causal:
+        right = 0  # flash-attn: a causal mask is a window with no keys to the right
+    hi = seqlen_k if right < 0 else min(seqlen_k, position + right + 1)
     lo = 0 if left < 0 else max(0, position - left)
     return lo, hi
 
@@ -264,8 +268,8 @@ def fa_version_answer(version: str, check_equality: bool = True) -> bool:
     return have >= want if check_equality else have > want
 
 
-#: Attribute of ``megatron.core.transformer.attention`` -> value installed while enabled.
 def _replacements() -> dict[str, Any]:
+    """Attribute of ``megatron.core.transformer.attention`` -> value installed while enabled."""
     return {
         "flash_attn_varlen_func": varlen_attention,
         "flash_attn_with_kvcache": kvcache_attention,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
@@ -123,40 +124,47 @@ class CpuEvent:
     ``elapsed_time`` returns wall-clock milliseconds between two recorded events.
     """
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False):
         self._time_ns: int | None = None
 
     def record(self, stream: Any = None) -> None:
-        self._time_ns = time_ns()
+        """Note the current monotonic time (the CPU has already done all queued work)."""
+        self._time_ns = time.monotonic_ns()
 
     def synchronize(self) -> None:
-        pass
+        """Nothing to wait for."""
 
     def wait(self, stream: Any = None) -> None:
-        pass
+        """Nothing to wait for."""
 
     def query(self) -> bool:
+        """Always True: the event has completed."""
         return True
 
     def elapsed_time(self, end_event: "CpuEvent") -> float:
+        """Milliseconds from this event's ``record()`` to ``end_event``'s.
+
+        Raises:
+            RuntimeError: either event was never recorded.
+        """
         if self._time_ns is None or end_event._time_ns is None:
             raise RuntimeError("CpuEvent.elapsed_time: both events must be recorded first")
         return (end_event._time_ns - self._time_ns) / 1e6
 
 
-def time_ns() -> int:
-    """Monotonic clock in nanoseconds (indirection so tests can see what events use)."""
-    import time
+class CpuStream(torch.Stream):
+    """Stand-in for ``torch.cuda.Stream``: one in-order CPU stream, so every wait is a no-op.
 
-    return time.monotonic_ns()
+    A real ``torch.Stream`` (of the CPU device), so APIs that type-check their stream argument,
+    such as ``Tensor.record_stream``, accept it.
+    """
 
-
-class CpuStream:
-    """Stand-in for ``torch.cuda.Stream``: one in-order CPU stream, so every wait is a no-op."""
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any):
+        return super().__new__(cls, device="cpu")
 
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any):
-        self.device = CPU
-        self.priority = priority
+        pass  # torch.Stream takes its arguments in __new__
 
     def wait_event(self, event: Any) -> None:
         pass
@@ -227,7 +235,13 @@ def _device_properties(device: Any = None) -> SimpleNamespace:
 
 
 def _cuda_standins(rng: _CudaRng) -> dict[str, Any]:
-    """Name -> stand-in for the ``torch.cuda`` (and ``torch.cuda.random``) functions replaced."""
+    """Name -> stand-in for the ``torch.cuda`` (and ``torch.cuda.random``) functions replaced.
+
+    Building and stepping the engine on 0.17.1 / 0.18.2 / 0.19.2 was seen to call
+    ``current_device``, ``Event``, ``Stream`` (0.19), ``get_rng_state`` and ``manual_seed`` /
+    ``manual_seed_all`` (via ``model_parallel_cuda_manual_seed`` and ``torch.manual_seed``); the
+    rest answer the timing, memory and capability queries of other engine paths and harnesses.
+    """
     return {
         "is_available": lambda: True,
         "device_count": lambda: 1,
@@ -292,6 +306,8 @@ def cuda_on_cpu(seed: int | None = None) -> Iterator[None]:
     if seed is not None:
         rng.manual_seed(seed)
     swap = AttributeSwap()
+    queued = _queued_cuda_calls()
+    queued_before = len(queued)
     try:
         for name, standin in _cuda_standins(rng).items():
             swap.set(torch.cuda, name, standin)
@@ -302,3 +318,13 @@ def cuda_on_cpu(seed: int | None = None) -> Iterator[None]:
             yield
     finally:
         swap.restore()
+        # megatron-core's _set_cuda_rng_state queues callbacks for "when CUDA initializes";
+        # they hold CPU generator states that a real CUDA generator would reject later.
+        del queued[queued_before:]
+
+
+def _queued_cuda_calls() -> list:
+    """torch's list of calls deferred until CUDA initializes (a private attribute; an empty
+    stand-in list if this torch has none)."""
+    queued = getattr(torch.cuda, "_queued_calls", None)
+    return queued if isinstance(queued, list) else []
