@@ -77,6 +77,20 @@ def cmd_ab(args: argparse.Namespace) -> int:
     return result.exit_code()
 
 
+def cmd_patch_source(args: argparse.Namespace) -> int:
+    """Apply / check / revert the source patches on a megatron-core tree."""
+    from pathlib import Path
+
+    from .source_patches import default_tree, patch_source, tree_version
+
+    tree = Path(args.path) if args.path else default_tree()
+    results = patch_source(tree, check=args.check, revert=args.revert)
+    print(f"megatron-core {tree_version(tree)} at {tree}:")
+    for result in results:
+        print(f"  {result.state.value:>15}  {result.patch}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-ext",
@@ -104,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_ab.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_ab.add_argument("--width", type=int, default=None, help="table width in columns")
     p_ab.set_defaults(func=cmd_ab)
+
+    p_src = sub.add_parser(
+        "patch-source", help="apply the source patches (patches/) to a megatron-core tree",
+        description="PATH is the directory holding megatron/core (site-packages or a Megatron-LM "
+        "checkout); default: the importable megatron-core. Refuses, changing nothing, when a "
+        "hunk does not apply or the tree is already patched.")
+    p_src.add_argument("path", nargs="?", help="directory holding megatron/core")
+    p_src.add_argument("--check", action="store_true", help="report what would be done; change nothing")
+    p_src.add_argument("--revert", action="store_true", help="remove the patches")
+    p_src.set_defaults(func=cmd_patch_source)
     return parser
 
 

@@ -27,25 +27,23 @@ _INSTALL_HINT = (
 
 
 def installed_version() -> str:
-    """Return the installed megatron-core release as a string, e.g. ``"0.19.2"``.
+    """Return the release of the importable megatron-core as a string, e.g. ``"0.19.2"``.
 
-    The distribution metadata is read first; a source tree on ``PYTHONPATH`` without metadata
-    falls back to ``megatron.core.package_info.__version__``.
+    Read from ``megatron.core.package_info`` (the code that is actually imported, also a source
+    tree on ``PYTHONPATH``), falling back to the distribution metadata.
 
     Raises:
-        MegatronCoreNotFoundError: megatron-core is neither installed nor importable.
+        MegatronCoreNotFoundError: megatron-core is not importable.
     """
     try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        info = importlib.import_module("megatron.core.package_info")
+        return str(importlib.import_module("megatron.core.package_info").__version__)
     except ImportError as exc:
-        raise MegatronCoreNotFoundError(
-            f"megatron-core is not installed in this Python ({exc}); {_INSTALL_HINT}"
-        ) from None
-    return str(info.__version__)
+        try:
+            return importlib.metadata.version("megatron-core")
+        except importlib.metadata.PackageNotFoundError:
+            raise MegatronCoreNotFoundError(
+                f"megatron-core is not installed in this Python ({exc}); {_INSTALL_HINT}"
+            ) from None
 
 
 def release_series(version: str) -> str:

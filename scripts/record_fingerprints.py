@@ -3,9 +3,11 @@
 
 Downloads each supported megatron-core wheel (no dependencies), unpacks it into a temporary
 directory and imports it there, in a subprocess per release, with this environment's torch.
-Paste the printed dictionaries into the FINGERPRINTS tables of megatron_ext/patches/.
+Paste the printed dictionaries into the FINGERPRINTS tables of megatron_ext/patches/. With
+--source-patched the unpacked trees get the source patches of patches/ first: those are the
+SOURCE_PATCHED fingerprints, by which a runtime patch recognises code that is already fixed.
 
-    .venv/bin/python scripts/record_fingerprints.py [RELEASE ...]
+    .venv/bin/python scripts/record_fingerprints.py [--source-patched] [RELEASE ...]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from megatron_ext.mcore import SUPPORTED_RELEASES  # noqa: E402
+from megatron_ext.source_patches import patch_source  # noqa: E402
 
 CHILD = """
 import json
@@ -46,11 +49,15 @@ def unpacked_release(version: str, workdir: Path) -> Path:
 
 
 def main() -> None:
-    releases = sys.argv[1:] or list(SUPPORTED_RELEASES)
+    args = sys.argv[1:]
+    source_patched = "--source-patched" in args
+    releases = [a for a in args if a != "--source-patched"] or list(SUPPORTED_RELEASES)
     table: dict[str, dict[str, dict[str, str]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for version in releases:
             site = unpacked_release(version, Path(tmp))
+            if source_patched:
+                patch_source(site)
             env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}")
             out = subprocess.run([sys.executable, "-W", "ignore", "-c", CHILD], env=env,
                                  check=True, capture_output=True, text=True).stdout

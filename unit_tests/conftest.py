@@ -1,6 +1,7 @@
 """Shared fixtures: the installed megatron-core release and the runtime patches under test.
 
-Set ``MEGATRON_EXT_TEST_UNPATCHED=1`` to run the same tests against the released code without the
+``MEGATRON_EXT_TEST_SOURCE_PATCHED=1`` says the imported megatron-core carries the source
+patches of ``patches/`` (the released code is then fixed already). Set ``MEGATRON_EXT_TEST_UNPATCHED=1`` to run the same tests against the released code without the
 runtime patches: the fault tests then fail on the releases that have the faults, which is how the
 issue notes count "fails unpatched, passes patched".
 """
@@ -18,6 +19,8 @@ from megatron_ext import mcore
 warnings.filterwarnings("ignore", module="megatron")
 
 UNPATCHED = os.environ.get("MEGATRON_EXT_TEST_UNPATCHED", "") == "1"
+# Set by functional_tests/test_source_patches.py when the imported tree carries patches/.
+SOURCE_PATCHED = os.environ.get("MEGATRON_EXT_TEST_SOURCE_PATCHED", "") == "1"
 
 
 @pytest.fixture(scope="session")

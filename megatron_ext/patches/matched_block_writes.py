@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..mcore import DYNAMIC_CONTEXT_MODULE
-from ..patching import Patch, Target
+from ..patching import Patch, Target, fingerprint
 
 ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
@@ -54,6 +54,18 @@ FINGERPRINTS = {
     "0.18.2": _V018,
     "0.19.0": _V019,
     "0.19.2": _V019,
+}
+
+
+#: ``add_request`` after the source patch of ``patches/`` (scripts/record_fingerprints.py
+#: --source-patched): code that already has the fix, so the runtime patch is not needed.
+SOURCE_PATCHED_FINGERPRINTS = {
+    "0.17.0": "7c708c069d6a87a9",
+    "0.17.1": "7c708c069d6a87a9",
+    "0.18.0": "94fea459285700b8",
+    "0.18.2": "94fea459285700b8",
+    "0.19.0": "b38d4e85147ba316",
+    "0.19.2": "b38d4e85147ba316",
 }
 
 
@@ -132,4 +144,10 @@ class MatchedBlockWritesPatch(Patch):
         return (ADD_REQUEST, COMPUTE_PREFIX_MATCH)
 
     def needed(self) -> tuple[bool, str]:
+        """Not needed only where ``add_request`` is megatron-ext's source-patched code."""
+        found = fingerprint(ADD_REQUEST.original())
+        releases = [r for r, fixed in SOURCE_PATCHED_FINGERPRINTS.items() if fixed == found]
+        if releases:
+            return False, (f"add_request fingerprint {found} is the source-patched code of "
+                           f"patches/ for {', '.join(releases)}")
         return True, "no megatron-core release up to 0.19.2 carries the upstream fix"

@@ -1,0 +1,105 @@
+"""Source patches (patches/) are equivalent to the runtime patches, on pristine release trees.
+
+For each release of the installed release's series (so CI's three runs cover all six supported
+releases once), a pristine copy of the release's wheel gets the source patches; then, in a
+subprocess importing that copy:
+- ``megatron-ext status`` reports both runtime patches "not needed" (the fix is detected in
+  the code: by the release probe for fix 1, by the recorded source-patched fingerprint for fix 2);
+- the unit tests that check the runtime patches pass there without them being applied: the
+  consistency check between runtime and source patches;
+- the default ``ab`` case is bit-identical and audit-clean.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from megatron_ext import mcore
+from megatron_ext.source_patches import SourcePatchError, patch_source, tree_version
+
+REPO = Path(__file__).resolve().parent.parent
+WHEELS = REPO / ".venv" / "mcore-wheels"  # pip download cache, outside git
+SERIES = mcore.release_series(mcore.installed_version())
+RELEASES = [r for r in mcore.SUPPORTED_RELEASES if mcore.release_series(r) == SERIES]
+
+
+def pristine_tree(version: str, tmp_path: Path) -> Path:
+    """Unpack megatron-core==version's wheel (downloaded once into .venv/mcore-wheels)."""
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    wheels = list(WHEELS.glob(f"megatron_core-{version}-*.whl"))
+    if not wheels:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(WHEELS),
+                        f"megatron-core=={version}"], check=True, capture_output=True)
+        wheels = list(WHEELS.glob(f"megatron_core-{version}-*.whl"))
+    tree = tmp_path / f"mcore-{version}"
+    zipfile.ZipFile(wheels[0]).extractall(tree)
+    return tree
+
+
+def run_with(tree: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_EXT_")}
+    env.update(PYTHONPATH=str(tree), MEGATRON_EXT_TEST_SOURCE_PATCHED="1")
+    return subprocess.run([sys.executable, "-W", "ignore", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def patched_tree(version: str, tmp_path: Path) -> Path:
+    tree = pristine_tree(version, tmp_path)
+    assert tree_version(tree) == version
+    results = patch_source(tree)
+    assert [r.state.value for r in results] == ["applied"] * len(results)
+    return tree
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", RELEASES)
+def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(version, tmp_path):
+    tree = patched_tree(version, tmp_path)
+    status = run_with(tree, "-m", "megatron_ext", "status", "--json")
+    assert status.returncode == 0, status.stderr
+    payload = json.loads(status.stdout)
+    assert payload["megatron_core_version"] == version
+    assert {p["patch"]: p["state"] for p in payload["patches"]} == {
+        "release-refcount": "not needed", "matched-block-writes": "not needed"}
+    tests = run_with(tree, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                     "unit_tests/test_release_refcount.py", "unit_tests/test_matched_block_writes.py")
+    assert tests.returncode == 0, tests.stdout[-3000:]
+    assert " passed" in tests.stdout and "failed" not in tests.stdout
+
+
+@pytest.mark.slow
+def test_default_ab_case_passes_on_source_patched_tree(tmp_path):
+    # The newest release of the series: its target files are identical to the older one's.
+    tree = patched_tree(RELEASES[-1], tmp_path)
+    report = tmp_path / "ab.json"
+    done = run_with(tree, "-m", "megatron_ext", "ab", "--no-progress", "--json", str(report))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    payload = json.loads(report.read_text())
+    assert payload["bit_identical"] and payload["kv_write_violations"] == 0
+    assert payload["refcount_violations"] == 0
+    assert {p["state"] for p in payload["patches"]} == {"not needed"}
+
+
+def test_already_patched_and_foreign_trees_are_refused(tmp_path):
+    tree = pristine_tree(RELEASES[-1], tmp_path)
+    patch_source(tree)
+    before = {p: p.read_text() for p in (tree / "megatron/core/inference/contexts").glob("*.py")}
+    with pytest.raises(SourcePatchError, match="is already applied"):
+        patch_source(tree)
+    checked = patch_source(tree, check=True, revert=True)
+    assert all(r.state.value == "would revert" for r in checked)
+    assert before == {p: p.read_text() for p in before}  # --check changed nothing
+    patch_source(tree, revert=True)
+    with pytest.raises(SourcePatchError, match="is not applied"):
+        patch_source(tree, revert=True)
+    target = tree / "megatron/core/inference/contexts/dynamic_context.py"
+    target.write_text(target.read_text().replace("token_offset_range", "offsets"))
+    with pytest.raises(SourcePatchError, match="does not apply .* nothing was changed"):
+        patch_source(tree)

@@ -1,0 +1,160 @@
+"""``megatron-ext patch-source``: apply the source patches in ``patches/`` to a megatron-core tree.
+
+The tree is either an installed package (the directory holding ``megatron/core``, e.g.
+``site-packages``) or a Megatron-LM checkout. Patches are applied with ``git apply`` (works
+outside a git repository too), which checks every hunk before changing anything: a patch that
+does not apply cleanly changes nothing. The release is read from the tree's own
+``megatron/core/package_info.py``, and ``patches/index.yaml`` says which patches it takes.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .errors import MegatronCoreNotFoundError, MegatronExtError
+
+_REPO_PATCHES = Path(__file__).resolve().parent.parent / "patches"
+_PACKAGED_PATCHES = Path(__file__).resolve().parent / "_source_patches"
+
+
+class SourcePatchError(MegatronExtError):
+    """A source patch cannot be applied or reverted; nothing was changed."""
+
+
+class SourcePatchState(str, enum.Enum):
+    APPLIED = "applied"
+    REVERTED = "reverted"
+    WOULD_APPLY = "would apply"
+    WOULD_REVERT = "would revert"
+    ALREADY_APPLIED = "already applied"
+
+
+@dataclass(frozen=True)
+class SourcePatchResult:
+    """One patch file and what happened to it."""
+
+    patch: str
+    state: SourcePatchState
+
+
+def patches_dir() -> Path:
+    """The ``patches/`` directory: the repository's, or the copy packaged in a wheel."""
+    for candidate in (_REPO_PATCHES, _PACKAGED_PATCHES):
+        if (candidate / "index.yaml").is_file():
+            return candidate
+    raise SourcePatchError("the source patches (patches/index.yaml) are missing from this install")
+
+
+def default_tree() -> Path:
+    """The directory holding the importable ``megatron/core`` package.
+
+    Raises:
+        MegatronCoreNotFoundError: megatron-core is not importable.
+    """
+    try:
+        spec = importlib.util.find_spec("megatron.core")
+    except ModuleNotFoundError:
+        spec = None
+    if spec is None or spec.origin is None:
+        raise MegatronCoreNotFoundError(
+            "megatron-core is not installed here; pass the path of a megatron-core tree, or "
+            "install it: pip install --no-deps megatron-core==0.19.2")
+    return Path(spec.origin).resolve().parent.parent.parent
+
+
+def tree_version(tree: Path) -> str:
+    """The release in ``tree/megatron/core/package_info.py`` (read as text, not imported).
+
+    Raises:
+        SourcePatchError: the file is missing or has no version.
+    """
+    info = tree / "megatron" / "core" / "package_info.py"
+    try:
+        text = info.read_text()
+    except OSError:
+        raise SourcePatchError(f"{tree} is not a megatron-core tree: {info} is missing") from None
+    fields = dict(re.findall(r"^(MAJOR|MINOR|PATCH)\s*=\s*(\d+)", text, re.MULTILINE))
+    if len(fields) != 3:
+        raise SourcePatchError(f"cannot read MAJOR/MINOR/PATCH from {info}")
+    return f"{fields['MAJOR']}.{fields['MINOR']}.{fields['PATCH']}"
+
+
+def patches_for(version: str) -> list[Path]:
+    """Patch files for a release, in order.
+
+    Raises:
+        SourcePatchError: the release has no entry in ``index.yaml``.
+    """
+    directory = patches_dir()
+    index = yaml.safe_load((directory / "index.yaml").read_text())["releases"]
+    if version not in index:
+        raise SourcePatchError(
+            f"no source patches for megatron-core {version}; supported: {', '.join(index)}")
+    return [directory / name for name in index[version]]
+
+
+def _git_apply(tree: Path, patch: Path, *flags: str) -> subprocess.CompletedProcess:
+    git = shutil.which("git")
+    if git is None:
+        raise SourcePatchError("`git` is needed to apply source patches (git apply); install git")
+    return subprocess.run([git, "apply", *flags, str(patch)], cwd=tree, capture_output=True, text=True)
+
+
+def _applies(tree: Path, patch: Path, reverse: bool = False) -> bool:
+    return _git_apply(tree, patch, "--check", *(["-R"] if reverse else [])).returncode == 0
+
+
+def patch_source(tree: Path | None = None, check: bool = False, revert: bool = False) -> list[SourcePatchResult]:
+    """Apply (or with ``revert`` remove) the release's source patches to ``tree``.
+
+    All patches are checked before any is applied, so a refusal changes nothing.
+
+    Args:
+        tree: directory holding ``megatron/core``; default: the importable megatron-core.
+        check: report what would happen, change nothing.
+        revert: remove the patches instead of applying them.
+
+    Raises:
+        SourcePatchError: unknown release, a patch already applied (apply) or not applied
+            (revert), or a hunk that does not apply; the message names the patch file.
+        MegatronCoreNotFoundError: no tree given and megatron-core is not importable.
+    """
+    tree = Path(tree) if tree is not None else default_tree()
+    patches = patches_for(tree_version(tree))
+    if revert:
+        patches = list(reversed(patches))
+    for patch in patches:
+        _refuse_if_not_applicable(tree, patch, revert)
+    results = []
+    for patch in patches:
+        if check:
+            state = SourcePatchState.WOULD_REVERT if revert else SourcePatchState.WOULD_APPLY
+        else:
+            done = _git_apply(tree, patch, *(["-R"] if revert else []))
+            if done.returncode != 0:  # checked above; only a concurrent change gets here
+                raise SourcePatchError(f"git apply {patch.name} failed in {tree}: {done.stderr.strip()}")
+            state = SourcePatchState.REVERTED if revert else SourcePatchState.APPLIED
+        results.append(SourcePatchResult(f"{patch.parent.name}/{patch.name}", state))
+    return results
+
+
+def _refuse_if_not_applicable(tree: Path, patch: Path, revert: bool) -> None:
+    name = f"{patch.parent.name}/{patch.name}"
+    if _applies(tree, patch, reverse=revert):
+        return
+    if not revert and _applies(tree, patch, reverse=True):
+        raise SourcePatchError(f"{name} is already applied to {tree}; nothing was changed "
+                               "(use --revert to remove it)")
+    if revert and _applies(tree, patch):
+        raise SourcePatchError(f"{name} is not applied to {tree}; nothing to revert")
+    detail = _git_apply(tree, patch, "--check", *(["-R"] if revert else [])).stderr.strip()
+    raise SourcePatchError(f"{name} does not apply to {tree} (the target code differs from the "
+                           f"release it was made for); nothing was changed. git apply: {detail}")
