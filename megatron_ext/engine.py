@@ -40,11 +40,36 @@ def ensure_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_pa
         parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
 
 
+def model_parallel_sizes() -> tuple[int, int]:
+    """``(tensor, pipeline)`` model-parallel sizes of megatron-core's parallel state; ``(1, 1)``
+    before :func:`ensure_model_parallel`."""
+    parallel_state = mcore.import_module("megatron.core.parallel_state")
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 1
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size())
+
+
+def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
+    """``vocab_size`` rounded up to a multiple of the TP size (megatron-core splits the embedding
+    and output layer evenly over TP ranks); unchanged with TP=1. The extra IDs are model-only
+    tokens that the byte tokenizer drops when detokenizing."""
+    return -(-vocab_size // tensor_model_parallel_size) * tensor_model_parallel_size
+
+
 def transformer_config(case: Case) -> Any:
-    """megatron-core ``TransformerConfig`` for the case's model (CPU initialization, no TE)."""
+    """megatron-core ``TransformerConfig`` for the case's model (CPU initialization, no TE).
+
+    ``params_dtype`` is ``torch.float32`` or ``torch.bfloat16`` (``bf16=True`` with the latter);
+    ``init_method_std`` is passed only when the case sets it (else megatron-core's 0.02).
+    """
     module = mcore.import_module("megatron.core.transformer.transformer_config")
     spec = case.model
     dtype = _DTYPES[spec.params_dtype]
+    optional = {} if spec.init_method_std is None else {"init_method_std": spec.init_method_std}
+    tp, pp = model_parallel_sizes()
+    if pp > 1:
+        optional["pipeline_dtype"] = dtype  # megatron-core requires it with pipeline parallelism
     return module.TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -54,6 +79,9 @@ def transformer_config(case: Case) -> Any:
         params_dtype=dtype,
         bf16=dtype is torch.bfloat16,
         use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        **optional,
     )
 
 
@@ -69,11 +97,15 @@ def build_model(case: Case) -> Any:
     config = transformer_config(case)
     torch.manual_seed(case.model.seed)
     random.model_parallel_cuda_manual_seed(case.model.seed)
+    tp, pp = model_parallel_sizes()
+    parallel_state = mcore.import_module("megatron.core.parallel_state")
     model = gpt_model.GPTModel(
         config=config,
         transformer_layer_spec=layer_specs.get_gpt_layer_local_spec(),
-        vocab_size=case.model.vocab_size,
+        vocab_size=padded_vocab_size(case.model.vocab_size, tp),
         max_sequence_length=case.model.max_position_embeddings,
+        pre_process=pp == 1 or parallel_state.is_pipeline_first_stage(),
+        post_process=pp == 1 or parallel_state.is_pipeline_last_stage(),
     )
     return model.to(_DTYPES[case.model.params_dtype]).eval()
 

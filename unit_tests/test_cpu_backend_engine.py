@@ -1,13 +1,12 @@
 """megatron-core's real dynamic inference engine on the CPU backend, end to end.
 
 Builds a tiny GPTModel (local layer spec), a DynamicInferenceContext with prefix caching and the
-DynamicInferenceEngine through ``engine_factory``, runs requests to completion, and checks that
-``cpu_backend()`` puts every replaced object back.
+DynamicInferenceEngine from a case (``megatron_ext.engine``), drives the requests to completion
+with the ``ab`` harness (``megatron_ext.harness.drive``), and checks that ``cpu_backend()`` puts
+every replaced object back.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -15,26 +14,45 @@ import torch
 pytest.importorskip("megatron.core")
 
 from megatron_ext import mcore  # noqa: E402
+from megatron_ext.ab import backend  # noqa: E402
+from megatron_ext.cases import Case, CaseFileError, parse_case, plan_requests  # noqa: E402
 from megatron_ext.cpu_backend import attention, batch_invariant, cpu_backend  # noqa: E402
-from megatron_ext.cpu_backend import engine_factory as ef  # noqa: E402
 from megatron_ext.cpu_backend.device import CUDA_STANDINS  # noqa: E402
+from megatron_ext.engine import build_engine, build_model, ensure_model_parallel  # noqa: E402
+from megatron_ext.harness import RunRecord, drive  # noqa: E402
+from megatron_ext.tokenizer import ByteTokenizer  # noqa: E402
 
 ATTENTION_NAMES = ("flash_attn_varlen_func", "flash_attn_with_kvcache", "is_fa_min_version",
                    "HAVE_FA3", "HAVE_FA4")
 
-gen = torch.Generator().manual_seed(2024)
-SHARED = torch.randint(0, 255, (32,), generator=gen).tolist()  # two 16-token blocks
-OTHER = torch.randint(0, 255, (20,), generator=gen).tolist()
+SHARED = "The quick brown fox jumped over "  # 32 bytes: two 16-token blocks
+OTHER = "Five boxing wizards!"  # 20 bytes
+assert len(SHARED) == 32 and len(OTHER) == 20
 
 # Arrival steps chosen so that, besides ordinary prefills, the exact shared prompt arrives while
 # the others decode: its matched blocks leave 1 token to compute on 0.17 (all query lengths 1 in
 # a mixed step) and a whole recomputed block on 0.18+ (chunks kept at >= 2 tokens).
-REQUESTS = [
-    ef.RequestSpec(SHARED + [1, 2, 3], num_tokens_to_generate=6, arrival_step=0),
-    ef.RequestSpec(OTHER, num_tokens_to_generate=6, arrival_step=0),
-    ef.RequestSpec(SHARED, num_tokens_to_generate=6, arrival_step=2),
-    ef.RequestSpec(SHARED + [4, 5], num_tokens_to_generate=6, arrival_step=4),
-]
+# init_method_std 0.1: peaked enough that greedy continuations differ between prompts.
+CASE = parse_case(f"""
+name: cpu-backend-engine
+model: {{num_layers: 2, hidden_size: 64, num_attention_heads: 4, params_dtype: fp32,
+        init_method_std: 0.1, seed: 1234}}
+inference: {{block_size_tokens: 16, buffer_size_gb: 0.01, max_requests: 16, max_tokens: 512,
+            max_sequence_length: 256}}
+requests:
+  - {{prefix: "{SHARED}", prompt: "abc", num_tokens_to_generate: 6, arrival_step: 0}}
+  - {{prompt: "{OTHER}", num_tokens_to_generate: 6, arrival_step: 0}}
+  - {{prompt: "{SHARED}", num_tokens_to_generate: 6, arrival_step: 2}}
+  - {{prefix: "{SHARED}", prompt: "de", num_tokens_to_generate: 6, arrival_step: 4}}
+""")
+
+
+def _variant(model: dict | None = None, sampling: dict | None = None) -> Case:
+    """:data:`CASE` with some ``model`` / ``sampling`` fields replaced (validated again)."""
+    data = CASE.model_dump()
+    data["model"].update(model or {})
+    data["sampling"].update(sampling or {})
+    return Case.model_validate(data)
 
 
 def _patched_objects():
@@ -83,21 +101,17 @@ def test_cpu_backend_keeps_an_outer_batch_invariant_mode():
     assert not batch_invariant.is_enabled()
 
 
-@pytest.fixture(scope="module")
-def parallel_state():
-    # One intra-op thread: the row-wise products are many tiny kernels, and on a busy 2-core
-    # machine every parallel region can wait milliseconds for the second core.
+def _run(case: Case, caching: tuple[bool, ...] = (True,), spy: list | None = None) -> list[RunRecord]:
+    """One model for ``case``, then per entry of ``caching`` a fresh engine (prefix caching on or
+    off, ``ref_zero`` eviction) driven to completion, all inside ``ab.backend("cpu")`` (CPU
+    backend, one intra-op thread). ``spy`` collects ``(query rows, sequences)`` of every decode
+    kernel call."""
+    planned = plan_requests(case, ByteTokenizer())
+    records = []
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with cpu_backend():
-        ef.init_parallel_state(seed=1234)
-    yield
-    ef.destroy_parallel_state()
-    torch.set_num_threads(threads)
-
-
-def _run(model_spec, context_spec, requests=REQUESTS, spy=None):
-    with cpu_backend(), torch.inference_mode():
+    with backend("cpu") as (invariant, detail), torch.inference_mode():
+        assert invariant, detail
+        assert torch.get_num_threads() == 1
         if spy is not None:
             module = mcore.import_module(attention.ATTENTION_MODULE)
             real = module.flash_attn_with_kvcache
@@ -107,65 +121,73 @@ def _run(model_spec, context_spec, requests=REQUESTS, spy=None):
                 return real(**kwargs)
 
             module.flash_attn_with_kvcache = recording  # restored by cpu_backend's exit
-        built = ef.build_engine(model_spec, context_spec)
-        return ef.run_requests(built.engine, requests)
+        ensure_model_parallel()
+        model = build_model(case)
+        for on in caching:
+            engine, context = build_engine(model, case, on, "ref_zero")
+            record = RunRecord(on, "ref_zero" if on else None)
+            drive(engine, context, case, planned, record)
+            assert record.error is None, record.error
+            records.append(record)
+    assert torch.get_num_threads() == threads
+    return records
 
 
-FP32 = ef.ModelSpec(dtype=torch.float32, init_method_std=0.1)
-CACHING = ef.ContextSpec(enable_prefix_caching=True, block_size_tokens=16)
-NO_CACHING = ef.ContextSpec(enable_prefix_caching=False, block_size_tokens=16)
+def _results(record: RunRecord) -> dict[int, tuple[list[int], list[str]]]:
+    """request ID -> (tokens, log-prob bits as float hex)."""
+    return {i: (o.tokens, [x.hex() for x in o.log_probs]) for i, o in record.outputs.items()}
 
 
-def test_engine_generates_with_prefix_caching_and_is_reproducible(parallel_state, mcore_series):
+def test_engine_generates_with_prefix_caching_and_is_reproducible(mcore_series):
     decode_calls = []
-    first = _run(FP32, CACHING, spy=decode_calls)
-    assert sorted(first) == [0, 1, 2, 3]
-    for completion in first.values():
-        assert completion.status == "COMPLETED"
-        assert len(completion.tokens) == 6 and all(0 <= t < 256 for t in completion.tokens)
-        assert len(completion.log_probs) == 6 and all(lp <= 0.0 for lp in completion.log_probs)
+    (first,) = _run(CASE, spy=decode_calls)
+    assert sorted(first.outputs) == [0, 1, 2, 3]
+    for output in first.outputs.values():
+        assert len(output.tokens) == 6 and all(0 <= t < 257 for t in output.tokens)
+        assert len(output.log_probs) == 6 and all(lp <= 0.0 for lp in output.log_probs)
     # The prefix is real: greedy continuations differ between prompts.
-    assert first[0].tokens != first[1].tokens
-    second = _run(FP32, CACHING)
-    assert {i: (c.tokens, c.log_probs) for i, c in first.items()} == \
-        {i: (c.tokens, c.log_probs) for i, c in second.items()}
+    assert first.outputs[0].tokens != first.outputs[1].tokens
+    # Requests 2 and 3 arrive after request 0 filled the two shared blocks: they match them.
+    assert first.counters["blocks_matched"] >= 4
+    assert first.counters["prefill_tokens_skipped"] > 0
+    # A fresh model (same seed) and engine give the same bits.
+    (second,) = _run(CASE)
+    assert _results(first) == _results(second)
     # 0.17 sends the mixed step whose requests all have one query token to the decode kernel,
     # with more query rows (padded tokens) than sequences; 0.18+ use the prefill kernel.
     mismatched = [call for call in decode_calls if call[0] != call[1]]
     assert bool(mismatched) == (mcore_series == "0.17"), decode_calls
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_prefix_caching_on_and_off_bit_identical(parallel_state, dtype):
-    spec = dataclasses.replace(FP32, dtype=dtype)
-    cached = _run(spec, CACHING)
-    uncached = _run(spec, NO_CACHING)
-    for i in cached:
-        assert cached[i].tokens == uncached[i].tokens, f"request {i}"
-        assert [x.hex() for x in cached[i].log_probs] == \
-            [x.hex() for x in uncached[i].log_probs], f"request {i}"
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_prefix_caching_on_and_off_bit_identical(dtype):
+    cached, uncached = _run(_variant(model={"params_dtype": dtype}), caching=(True, False))
+    assert cached.counters["prefill_tokens_skipped"] > 0
+    assert uncached.counters["prefill_tokens_skipped"] == 0
+    assert _results(cached) == _results(uncached)
 
 
-def test_sampling_is_reproducible_with_the_same_seed(parallel_state):
-    full_distribution = {"top_k": 0, "temperature": 1.0}
-    sampled = [ef.RequestSpec(r.prompt, 5, r.arrival_step, sampling=full_distribution)
-               for r in REQUESTS]
-    spec = ef.ModelSpec(dtype=torch.bfloat16, sampling_seed=5)
-    first, second = _run(spec, CACHING, sampled), _run(spec, CACHING, sampled)
-    assert {i: c.tokens for i, c in first.items()} == {i: c.tokens for i, c in second.items()}
-    assert all(len(c.tokens) == 5 for c in first.values())
+def test_grouped_query_attention_model():
+    case = _variant(model={"num_attention_heads": 4, "num_query_groups": 2})
+    cached, uncached = _run(case, caching=(True, False))
+    assert all(len(o.tokens) == 6 for o in cached.outputs.values())
+    assert cached.counters["prefill_tokens_skipped"] > 0
+    assert _results(cached) == _results(uncached)
 
 
-def test_grouped_query_attention_model(parallel_state):
-    spec = ef.ModelSpec(dtype=torch.float32, num_attention_heads=4, num_query_groups=2)
-    cached, uncached = _run(spec, CACHING), _run(spec, NO_CACHING)
-    assert all(len(c.tokens) == 6 for c in cached.values())
-    assert {i: c.log_probs for i, c in cached.items()} == \
-        {i: c.log_probs for i, c in uncached.items()}
+def test_sampling_from_the_full_distribution_is_reproducible():
+    # Each engine gets a fresh controller whose sampling generator is seeded the same way.
+    case = _variant(model={"params_dtype": "bf16"}, sampling={"top_k": 0, "temperature": 1.0})
+    first, second = _run(case, caching=(True, True))
+    assert all(len(o.tokens) == 6 for o in first.outputs.values())
+    assert _results(first) == _results(second)
 
 
-def test_unknown_config_fields_are_refused(parallel_state):
-    with pytest.raises(ValueError, match="InferenceConfig .* no field.*no_such_field"):
-        ef.inference_config(ef.ContextSpec(extra={"no_such_field": 1}), 128)
-    with pytest.raises(ValueError, match="SamplingParams .* no field.*bogus"):
-        ef.sampling_params(ef.RequestSpec([1], sampling={"bogus": 1}))
+def test_unknown_case_fields_are_refused():
+    # The case schema is the one place engine settings come from; a typo must not be ignored.
+    with pytest.raises(CaseFileError, match=r"field 'inference\.no_such_field'"):
+        parse_case("name: x\ninference: {no_such_field: 1}\nrequests: [{prompt: hi}]")
+    with pytest.raises(CaseFileError, match=r"field 'sampling\.bogus'"):
+        parse_case("name: x\nsampling: {bogus: 1}\nrequests: [{prompt: hi}]")
+    with pytest.raises(CaseFileError, match=r"field 'model\.init_method_std'"):
+        parse_case("name: x\nmodel: {init_method_std: 0}\nrequests: [{prompt: hi}]")

@@ -39,7 +39,13 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    """A GPT model with megatron-core's local layer spec; weights are seeded random unless loaded."""
+    """A GPT model with megatron-core's local layer spec; weights are seeded random unless loaded.
+
+    ``init_method_std`` is the standard deviation of the random weights (megatron-core's
+    ``TransformerConfig.init_method_std``; None keeps its default, 0.02). Tiny random models give
+    near-uniform next-token log-probs at 0.02; around 0.1 they are peaked enough that greedy
+    continuations differ between prompts.
+    """
 
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=8)
@@ -50,6 +56,7 @@ class ModelSpec(_Strict):
     max_position_embeddings: int = Field(1024, ge=16)
     params_dtype: Literal["fp32", "bf16"] = "bf16"
     seed: int = 1234
+    init_method_std: Optional[float] = Field(None, gt=0)
 
 
 class InferenceSpec(_Strict):

@@ -13,7 +13,8 @@ usable on their own:
 * :func:`batch_invariant_mode` (``batch_invariant``): row-wise CPU matrix products, so a row's
   bits do not depend on the batch; :func:`self_check` proves it on the running machine.
 
-Version differences for building a model, context and engine live in ``engine_factory``.
+Building a model, context and engine from a case is :mod:`megatron_ext.engine`'s job (the same
+constructors in all three releases); stepping it is :func:`megatron_ext.harness.drive`.
 Everything is restored exactly when the ``with`` block exits.
 """
 
