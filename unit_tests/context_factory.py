@@ -7,27 +7,14 @@ parallel state (the context asks it how many layers this pipeline stage holds).
 from __future__ import annotations
 
 import contextlib
-import tempfile
 
 import torch
 
 from megatron_ext import mcore
 from megatron_ext.cpu_backend import cuda_on_cpu
+from megatron_ext.engine import ensure_model_parallel
 
 BLOCK = 16  # tokens per KV block in every context built here
-
-
-def ensure_model_parallel() -> None:
-    """One-rank gloo process group + megatron-core parallel state (TP=PP=1), once per process."""
-    dist = torch.distributed
-    if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo", init_method=f"file://{tempfile.mktemp(prefix='megatron-ext-pg-')}",
-            rank=0, world_size=1,
-        )
-    parallel_state = mcore.import_module("megatron.core.parallel_state")
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
 
 
 @contextlib.contextmanager
