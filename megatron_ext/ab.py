@@ -16,6 +16,7 @@ from . import mcore
 from .api import apply, revert
 from .cases import Case, plan_requests
 from .compare import RequestDiff, compare_runs
+from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .engine import build_engine, build_model, ensure_model_parallel
 from .harness import RunRecord, drive
 from .tokenizer import ByteTokenizer
@@ -49,6 +50,8 @@ class ABResult:
     baseline: RunRecord
     policies: list[PolicyResult] = field(default_factory=list)
     wall_s: float = 0.0
+    #: multi-rank runs: every rank's verdict (:func:`megatron_ext.distributed.rank_verdict`)
+    ranks: list[dict] = field(default_factory=list)
 
     @property
     def bit_identical(self) -> bool:
@@ -58,7 +61,14 @@ class ABResult:
         return sum(p.run.audit.get(key, 0) for p in self.policies) + self.baseline.audit.get(key, 0)
 
     def failures(self) -> list[str]:
-        """Why the verdict is negative, one sentence each; empty when everything holds."""
+        """Why the verdict is negative, one sentence each; empty when everything holds. Multi-rank:
+        the failures of every rank, each naming its rank, and any disagreement between ranks."""
+        if len(self.ranks) > 1:
+            return rank_failures(self.ranks)
+        return self.local_failures()
+
+    def local_failures(self) -> list[str]:
+        """This rank's own failures (the whole verdict with one rank)."""
         problems = []
         if not self.invariance[0]:
             problems.append(f"the platform is not batch-invariant: {self.invariance[1]}")
@@ -87,7 +97,7 @@ class ABResult:
         return problems
 
     def exit_code(self) -> int:
-        if not self.invariance[0]:
+        if not self.invariance[0] or not all(r["batch_invariance_ok"] for r in self.ranks):
             return EXIT_NOT_INVARIANT
         return EXIT_OK if not self.failures() else EXIT_DIVERGED
 
@@ -108,6 +118,9 @@ class ABResult:
             "patches": self.patches,
             "batch_invariance_check": {"ok": self.invariance[0], "detail": self.invariance[1]},
             "wall_s": round(self.wall_s, 3),
+            "layout": {k: v for k, v in (self.ranks[0] if self.ranks else {}).items()
+                       if k in ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")},
+            "ranks": self.ranks,
             "baseline": _run_json(self.baseline),
             "policies": [
                 {"eviction_policy": p.policy, "bit_identical": p.bit_identical, "run": _run_json(p.run),
@@ -169,6 +182,8 @@ def run_ab(
     patched: bool = True,
     device: str = "cpu",
     on_step: Optional[Callable[[int], None]] = None,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
 ) -> ABResult:
     """Run A (caching off) and B (caching on, per policy) and compare.
 
@@ -177,22 +192,27 @@ def run_ab(
         patched: apply megatron-ext's runtime patches first (else make sure none is applied).
         device: ``cpu`` or ``cuda``.
         on_step: called after every engine step of every run (progress bars).
+        tensor_model_parallel_size, pipeline_model_parallel_size: megatron-core's model-parallel
+            layout (under torchrun; every rank calls run_ab and gets every rank's verdict).
 
     Raises:
-        MegatronCoreNotFoundError, CaseFileError (prompt too long), EngineStuckError, RuntimeError.
+        MegatronCoreNotFoundError, CaseFileError (prompt too long), EngineStuckError, RuntimeError;
+        multi-rank: RankFailedError when megatron-core raised mid-run on this rank (the ranks are
+        out of lockstep then; single-rank runs record the error in the result instead).
     """
     started = time.perf_counter()
     planned = plan_requests(case, ByteTokenizer())
     patch_results = apply() if patched else revert()
     patches = [r.as_dict() for r in patch_results]
     with backend(device) as invariance:
-        ensure_model_parallel()
+        ensure_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
         model = build_model(case)
         baseline = _one_run(model, case, planned, False, case.prefix_caching_eviction_policies[0], on_step)
         result = ABResult(case, mcore.installed_version(), device, patches, invariance, baseline)
         for policy in case.prefix_caching_eviction_policies:
             run = _one_run(model, case, planned, True, policy, on_step)
             result.policies.append(PolicyResult(policy, run, compare_runs(baseline.outputs, run.outputs)))
+    result.ranks = gather_ranks(result)
     result.wall_s = time.perf_counter() - started
     return result
 
@@ -203,5 +223,7 @@ def _one_run(model, case, planned, prefix_caching, policy, on_step) -> RunRecord
     record = RunRecord(prefix_caching, policy if prefix_caching else None)
     record.total_blocks = int(context.kv_block_allocator.total_count)
     drive(engine, context, case, planned, record, on_step)
+    if record.error and is_multi_rank():  # this rank left the lockstep: it cannot go on
+        raise rank_failed(policy if prefix_caching else "caching off", record.error)
     record.wall_s = time.perf_counter() - started
     return record

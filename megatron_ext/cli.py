@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 from typing import Sequence
 
 from rich.console import Console
@@ -60,20 +62,48 @@ def cmd_ab(args: argparse.Namespace) -> int:
     from .ab import run_ab
     from .ab_report import print_report, write_plot
     from .cases import load_case, shipped_cases
+    from .distributed import RankFailedError, describe_layout
 
     if args.list_cases:
         print("\n".join(shipped_cases()))
         return 0
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if tp < 1 or pp < 1 or tp * pp != world_size:
+        print(f"megatron-ext: error: --tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
+              f"{pp} needs {tp * pp} ranks, but WORLD_SIZE is {world_size}; launch with "
+              f"'torchrun --nproc-per-node {max(tp * pp, 1)} -m megatron_ext ab ...'", file=sys.stderr)
+        return 2
+    if world_size > 1 and args.device != "cpu":
+        print("megatron-ext: error: multi-rank ab runs CPU ranks over gloo; --device cuda is "
+              "single-rank only", file=sys.stderr)
+        return 2
     case = load_case(args.case)
-    with tqdm(desc=f"{case.name}: engine steps", unit="step", disable=args.no_progress,
-              leave=False) as bar:
-        result = run_ab(case, patched=not args.unpatched, device=args.device,
-                        on_step=lambda _step: bar.update(1))
-    print_report(result, Console(width=args.width))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.as_json(), indent=2))
-    if args.plot:
-        write_plot(result, Path(args.plot))
+    try:
+        with tqdm(desc=f"{case.name}: engine steps", unit="step", leave=False,
+                  disable=args.no_progress or rank != 0) as bar:
+            result = run_ab(case, patched=not args.unpatched, device=args.device,
+                            on_step=lambda _step: bar.update(1),
+                            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    except Exception as exc:  # noqa: BLE001 - multi-rank: name the rank, exit non-zero
+        if world_size == 1 or isinstance(exc, MegatronExtError):
+            raise
+        if isinstance(exc, RankFailedError):  # names the rank already
+            print(f"megatron-ext ab: {exc}", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
+            print(f"megatron-ext ab: rank {rank} of {world_size} failed: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+        return 1
+    if rank == 0:
+        console = Console(width=args.width)
+        if world_size > 1:
+            console.print(describe_layout(result.ranks))
+        print_report(result, console)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result.as_json(), indent=2))
+        if args.plot:
+            write_plot(result, Path(args.plot))
     return result.exit_code()
 
 
@@ -106,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_ab = sub.add_parser(
         "ab", help="prefix caching off vs on through megatron-core's dynamic engine, bit for bit",
         description="Exit codes: 0 bit-identical and every audit holds; 1 divergence, audit "
-        "violation or unmet expectation; 2 bad input; 3 platform not batch-invariant.")
+        "violation or unmet expectation; 2 bad input; 3 platform not batch-invariant. Multi-rank: "
+        "'torchrun --nproc-per-node T*P -m megatron_ext ab --tensor-model-parallel-size T "
+        "--pipeline-model-parallel-size P'; every rank runs the audits, rank 0 reports (and writes "
+        "--json/--plot), every rank exits non-zero if any rank failed.")
     p_ab.add_argument("--case", default="rl_rollouts",
                       help="shipped case name or path to a case YAML file (default: rl_rollouts)")
     p_ab.add_argument("--unpatched", action="store_true",
@@ -114,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_ab.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p_ab.add_argument("--plot", metavar="PNG", help="also plot |Δ log-prob| per step (matplotlib)")
     p_ab.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p_ab.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T",
+                      help="megatron-core tensor parallel size (launch T x P ranks with torchrun; "
+                      "CPU ranks over gloo)")
+    p_ab.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="P",
+                      help="megatron-core pipeline parallel size (T x P ranks)")
     p_ab.add_argument("--list-cases", action="store_true", help="print the shipped case names")
     p_ab.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_ab.add_argument("--width", type=int, default=None, help="table width in columns")

@@ -7,6 +7,7 @@ Engine), ``DynamicInferenceContext``, ``GPTInferenceWrapper``, ``TextGenerationC
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 import types
@@ -25,19 +26,30 @@ def ensure_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_pa
     """Initialize torch.distributed (gloo; one rank unless launched by torchrun) and megatron-core's
     parallel state, once per process.
 
+    Collectives time out after ``MEGATRON_EXT_DIST_TIMEOUT_S`` seconds (default 300) instead of
+    torch's 30 minutes, so a rank that died or left the lockstep ends the run with an error.
+
     Raises:
-        RuntimeError: the world size does not fit the requested TP x PP layout.
+        RuntimeError: the world size does not fit the requested TP x PP layout, or the parallel
+            state was already initialized with another layout.
     """
     dist = torch.distributed
+    timeout = datetime.timedelta(seconds=float(os.environ.get("MEGATRON_EXT_DIST_TIMEOUT_S", "300")))
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
         else:
             init = f"file://{tempfile.mktemp(prefix='megatron-ext-pg-')}"
             dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
     parallel_state = mcore.import_module("megatron.core.parallel_state")
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size, pipeline_model_parallel_size,
+            distributed_timeout_minutes=timeout.total_seconds() / 60)
+    have = model_parallel_sizes()
+    if have != (tensor_model_parallel_size, pipeline_model_parallel_size):
+        raise RuntimeError(f"megatron-core's parallel state is already TP={have[0]} PP={have[1]}; "
+                           f"asked for TP={tensor_model_parallel_size} PP={pipeline_model_parallel_size}")
 
 
 def model_parallel_sizes() -> tuple[int, int]:

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 from megatron_ext import mcore  # noqa: E402
 from megatron_ext.ab import backend  # noqa: E402
 from megatron_ext.cases import Case, CaseFileError, parse_case, plan_requests  # noqa: E402
-from megatron_ext.cpu_backend import attention, batch_invariant, cpu_backend  # noqa: E402
+from megatron_ext.cpu_backend import attention, batch_invariant, cpu_backend, pipeline  # noqa: E402
 from megatron_ext.cpu_backend.device import CUDA_STANDINS  # noqa: E402
 from megatron_ext.engine import build_engine, build_model, ensure_model_parallel  # noqa: E402
 from megatron_ext.harness import RunRecord, drive  # noqa: E402
@@ -61,6 +61,7 @@ def _patched_objects():
     return {
         **{("attention", n): attention_module.__dict__.get(n, "<absent>") for n in ATTENTION_NAMES},
         ("context", "triton"): context_module.__dict__["triton_append_key_value_cache"],
+        ("comms", "_is_cuda"): mcore.import_module(pipeline.COMMUNICATION_MODULE).__dict__["_is_cuda"],
         **{("cuda", n): torch.cuda.__dict__.get(n, "<absent>") for n in CUDA_STANDINS},
         ("torch", "Generator"): torch.Generator,
         ("torch", "function modes"): torch._C._len_torch_function_stack(),
@@ -82,6 +83,10 @@ def test_cpu_backend_installs_and_restores_everything():
         assert attention_module.flash_attn_with_kvcache is attention.kvcache_attention
         assert attention_module.is_fa_min_version("2.7.3")
         assert context_module.triton_append_key_value_cache is None
+        comms = mcore.import_module(pipeline.COMMUNICATION_MODULE)
+        comms._is_cuda_contiguous(torch.zeros(2, device="cpu"))  # CPU tensors pass between stages
+        with pytest.raises(AssertionError):
+            comms._is_cuda(None)
         assert torch.cuda.is_available() and batch_invariant.is_enabled()
         assert _changed(before, _patched_objects()) != set()  # something did change
     assert _changed(before, _patched_objects()) == set()

@@ -10,6 +10,7 @@ usable on their own:
 * :func:`reference_attention` (``attention``): plain-torch paged attention in place of the
   flash-attention kernels, computed per query token so results do not depend on the batch;
 * :func:`torch_kv_append` (``kv_append``): the Triton KV-append kernel off;
+* :func:`cpu_pipeline_comms` (``pipeline``): pipeline-stage communication accepts CPU tensors;
 * :func:`batch_invariant_mode` (``batch_invariant``): row-wise CPU matrix products, so a row's
   bits do not depend on the batch; :func:`self_check` proves it on the running machine.
 
@@ -27,6 +28,7 @@ from .attention import kvcache_attention, reference_attention, varlen_attention
 from .batch_invariant import batch_invariant_mode, self_check
 from .device import cuda_on_cpu
 from .kv_append import torch_kv_append
+from .pipeline import cpu_pipeline_comms
 
 __all__ = [
     "cpu_backend",
@@ -35,6 +37,7 @@ __all__ = [
     "varlen_attention",
     "kvcache_attention",
     "torch_kv_append",
+    "cpu_pipeline_comms",
     "batch_invariant_mode",
     "self_check",
 ]
@@ -60,6 +63,7 @@ def cpu_backend(batch_invariant: bool = True, seed: Optional[int] = None) -> Ite
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch_kv_append())
+        stack.enter_context(cpu_pipeline_comms())
         stack.enter_context(reference_attention())
         stack.enter_context(cuda_on_cpu(seed=seed))
         if batch_invariant:
