@@ -46,6 +46,18 @@ def installed_version() -> str:
             ) from None
 
 
+def base_release(version: str) -> str:
+    """The public release of a version: ``"0.18.2+624d3fd"`` (a local build) -> ``"0.18.2"``.
+
+    A local build of a release is patched like the release only if its target code still has
+    the release's fingerprints; unparsable input is returned as is.
+    """
+    try:
+        return Version(version).base_version
+    except InvalidVersion:
+        return version
+
+
 def release_series(version: str) -> str:
     """Map a release to its series, e.g. ``"0.18.2"`` -> ``"0.18"``; unparsable input is returned as is."""
     try:

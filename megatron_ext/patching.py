@@ -164,7 +164,7 @@ class Patch(ABC):
     def check(self, version: str) -> PatchResult | None:
         """Refusal result if the release or a target's code is not what this patch knows, else None."""
         supported = ", ".join(self.supported_releases)
-        expected = self.fingerprints.get(version)
+        expected = self.fingerprints.get(mcore.base_release(version))
         if expected is None:
             return self.result(
                 PatchState.REFUSED,
@@ -192,7 +192,7 @@ class Patch(ABC):
         """Decide without changing anything: APPLICABLE, APPLIED, NOT_NEEDED or REFUSED."""
         if self.is_applied():
             return self.result(PatchState.APPLIED, "already applied by megatron-ext")
-        if version not in mcore.SUPPORTED_RELEASES and not force:
+        if mcore.base_release(version) not in mcore.SUPPORTED_RELEASES and not force:
             return self.check(version)  # refusal naming the supported releases
         try:
             needed, evidence = self.needed()

@@ -1,0 +1,228 @@
+"""Rich tables for the bench report (the JSON written by ``--json`` has the same numbers and more)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+CLOCK_NAMES = {"cpu": "thread CPU time (time.thread_time_ns)", "wall": "wall clock (time.perf_counter_ns)"}
+
+
+def _t(stats: dict[str, float], digits: int = 0) -> str:
+    return f"{stats['median']:.{digits}f} [{stats['q1']:.{digits}f}–{stats['q3']:.{digits}f}]"
+
+
+def _range(stats: dict[str, float], digits: int = 0) -> str:
+    return f"{stats['min']:.{digits}f}–{stats['max']:.{digits}f}"
+
+
+def _r(ratio: dict[str, Any], clock: str, spread_key: str) -> str:
+    spread = ratio[spread_key]
+    if spread["n"] > 1:
+        return f"{ratio[clock]:.2f} ({spread['q1']:.2f}–{spread['q3']:.2f})"
+    return f"{ratio[clock]:.2f}"
+
+
+def _v(value: str) -> str:
+    colour = {"PASS": "green", "FAIL": "red"}.get(value, "yellow")
+    return f"[bold {colour}]{value}[/]"
+
+
+def release_tables(section: dict[str, Any]) -> list[Table]:
+    clock = section["clock"]
+    key = f"{clock}_us"
+    releases = section["releases"]
+    main = Table(title=f"1. Release path: KVBlockAllocator.release_memory_blocks, µs per call "
+                       f"({CLOCK_NAMES[clock]}), median [IQR]",
+                 caption=f"patched = {releases['patched']}; unpatched = {releases['unpatched']}; "
+                         f"upstream = {releases['upstream']} (fixed code), each in its own process. "
+                         f"Ratios: ratio of medians (IQR of {section['rounds']} per-round ratios). "
+                         f"Target: patched/upstream <= {section['target']:.2f}.",
+                 caption_justify="left")
+    for name in ("policy", "pool", "IDs (unique)", "patched", "unpatched", "upstream",
+                 "patched/upstream", "patched/unpatched", "wall p/up", "same result", "verdict"):
+        main.add_column(name, justify="left" if name in ("policy",) else "right")
+    wall = Table(title="1b. Release path, wall clock µs per call: median [IQR] (min–max)",
+                 caption=f"{section['rounds']} rounds x {section['batch']} calls per variant and row",
+                 caption_justify="left")
+    for name in ("policy", "pool", "IDs", "patched", "unpatched", "upstream"):
+        wall.add_column(name, justify="left" if name == "policy" else "right")
+    for row in section["rows"]:
+        v = row["variants"]
+        w = row["workload"]
+        ratios = row["ratios"]
+        main.add_row(
+            row["policy"], f"{row['pool']:,}", f"{row['ids']:,} ({w['unique']:,})",
+            _t(v["patched"][key]), _t(v["unpatched"][key]), _t(v["upstream"][key]),
+            _r(ratios["patched/upstream"], clock, f"rounds_{clock}"),
+            _r(ratios["patched/unpatched"], clock, f"rounds_{clock}"),
+            f"{ratios['patched/upstream']['wall' if clock == 'cpu' else 'cpu']:.2f}",
+            "yes" if row["same_result_as_upstream"] else "[red]NO[/]",
+            _v(row["verdict"]),
+        )
+        wall.add_row(row["policy"], f"{row['pool']:,}", f"{row['ids']:,}",
+                     *(f"{_t(v[x]['wall_us'])} ({_range(v[x]['wall_us'])})"
+                       for x in ("patched", "unpatched", "upstream")))
+    if clock == "wall":
+        main.columns[8].header = "cpu p/up"
+    return [main, wall]
+
+
+def add_request_table(section: dict[str, Any]) -> Table:
+    clock = section["clock"]
+    key = f"{clock}_us"
+    table = Table(title=f"2. KV-append redirect: DynamicInferenceContext.add_request, µs per call "
+                        f"({CLOCK_NAMES[clock]}), median [IQR]",
+                  caption=f"policy {section['policy']}; {section['rounds']} rounds x {section['batch']} calls "
+                          "per variant; the context is reset and a primer request added (untimed) "
+                          f"before each call. Target: patched/unpatched <= {section['target']:.2f}.",
+                  caption_justify="left")
+    for name in ("release", "prompt", "match", "matched blocks", "tokens added", "to dummy (patched)",
+                 "unpatched", "patched", "overhead µs", "patched/unpatched", "wall ratio",
+                 "wall min–max (patched)", "verdict"):
+        table.add_column(name, justify="left" if name in ("release", "match") else "right")
+    for row in section["rows"]:
+        v = row["variants"]
+        out = row["outcomes"]["patched"]
+        ratio = row["ratios"]["patched/unpatched"]
+        table.add_row(
+            row["release"], f"{row['prompt_tokens']:,}", row["match"], str(out["blocks_matched"]),
+            str(out["tokens_added"]), str(out["tokens_to_dummy_block"]),
+            _t(v["unpatched"][key]), _t(v["patched"][key]), f"{row['overhead_us']:+.0f}",
+            _r(ratio, clock, f"rounds_{clock}"), f"{ratio['wall' if clock == 'cpu' else 'cpu']:.2f}",
+            _range(v["patched"]["wall_us"]), _v(row["verdict"]),
+        )
+    return table
+
+
+def e2e_table(section: dict[str, Any]) -> Table:
+    clock = section["clock"]
+    other = "wall" if clock == "cpu" else "cpu"
+    step_key, estimate_key = f"step_{clock}_us", f"run_estimate_{clock}_ms"
+    case = section["case"] + (" (shortened for --short)" if section["short_case"] else "")
+    table = Table(title=f"3. End to end: engine step time, case {case}, CPU backend, prefix caching on "
+                        f"({CLOCK_NAMES[clock]})",
+                  caption="u = unpatched, p = patched. step µs: median over every step of every run. "
+                          "run ms: floor = sum over "
+                          "step indexes of the per-step minimum over runs (interference only adds time; "
+                          "the patches' cost is in every sample); median = the same with per-step "
+                          "medians. Ratios: floor (verdict), median, and the IQR of per-pair run-total "
+                          "ratios. in patched fns: CPU ms per run inside add_request + "
+                          "release_memory_blocks (median over runs); attributed = 1 + (p - u) / run "
+                          "floor u: the patches' cost inside the engine, free of run-to-run noise. n/a: the unpatched run did different work (it leaks shared blocks, "
+                          "which a later request then matches), so the ratio measures the fault. "
+                          f"Target: patched/unpatched <= {section['target']:.2f}.",
+                  caption_justify="left")
+    for name in ("release", "policy", "runs", "work: steps, blocks matched, prefill tokens",
+                 "median step µs u / p", "run ms floor u / p", "run ms median u / p",
+                 "p/u floor", "p/u median (pairs IQR)", f"p/u {other} floor", "in patched fns ms u / p",
+                 "attributed", "same outputs", "verdict"):
+        table.add_column(name, justify="left" if name in ("release", "policy") else "right")
+    for row in section["rows"]:
+        v = row["variants"]
+        u, p = v["unpatched"], v["patched"]
+        ratio = row["ratios"]["patched/unpatched"]
+        pairs = ratio[f"pairs_{clock}"]
+
+        def work(x: dict) -> str:
+            return " ".join(",".join(map(str, x[k])) for k in ("engine_steps", "blocks_matched",
+                                                              "prefill_tokens_computed"))
+        work_cell = work(u) if work(u) == work(p) else f"[yellow]u {work(u)} / p {work(p)}[/]"
+        spread = f" ({pairs['q1']:.2f}–{pairs['q3']:.2f})" if pairs["n"] > 1 else ""
+        table.add_row(
+            row["release"], row["policy"], str(row["runs"]), work_cell,
+            f"{u[step_key]['median']:.0f} / {p[step_key]['median']:.0f}",
+            f"{u[estimate_key]['floor']:.1f} / {p[estimate_key]['floor']:.1f}",
+            f"{u[estimate_key]['median']:.1f} / {p[estimate_key]['median']:.1f}",
+            f"{ratio[clock]:.3f}", f"{ratio[clock + '_median']:.3f}{spread}", f"{ratio[other]:.3f}",
+            f"{sum(u['inside_ms'].values()):.1f} / {sum(p['inside_ms'].values()):.1f}",
+            f"{ratio['attributed']:.4f}",
+            "yes" if row["same_outputs"] else "[red]NO[/]",
+            _v(row["verdict"]),
+        )
+    return table
+
+
+def scaling_tables(section: dict[str, Any]) -> list[Table]:
+    clock = section["clock"]
+    pools = section["pools"]
+    by_pool = Table(title=f"4a. Release cost vs pool size: median µs ({clock}) per call",
+                    caption=f"growth = median at {pools[-1]:,} blocks / median at {pools[0]:,} blocks "
+                            f"(red above {section['growth_limit']}). control: the state rebuild alone, "
+                            "which writes the same entries of the same tables with no pool-size-dependent "
+                            "work: its growth is what random IDs in larger tables cost in cache and TLB "
+                            "misses.",
+                    caption_justify="left")
+    for name in ["policy", "variant", "IDs", *[f"{p:,} blocks" for p in pools], "growth"]:
+        by_pool.add_column(name, justify="left" if name in ("policy", "variant") else "right")
+    per_id = Table(title=f"4b. Release cost vs released IDs: marginal µs per released ID ({clock})",
+                   caption=f"(median at {section['ids'][-1]:,} IDs - median at {section['ids'][0]:,} ID) "
+                           f"/ {section['ids'][-1] - section['ids'][0]:,}",
+                   caption_justify="left")
+    for name in ["policy", "variant", *[f"{p:,} blocks" for p in pools]]:
+        per_id.add_column(name, justify="left" if name in ("policy", "variant") else "right")
+    per_id_rows: dict[tuple[str, str], dict[int, float]] = {}
+    for row in section["rows"]:
+        if "pool_growth" in row:
+            growth = row["pool_growth"]
+            style = "" if growth <= section["growth_limit"] else "[red]"
+            name = "control: rebuild only" if row["variant"] == "control" else row["variant"]
+            by_pool.add_row(row["policy"], name, f"{row['ids']:,}",
+                            *(f"{row['median_us_by_pool'][str(p)]:.0f}" for p in pools),
+                            f"{style}{growth:.2f}")
+        else:
+            per_id_rows.setdefault((row["policy"], row["variant"]), {})[row["pool"]] = row["us_per_released_id"]
+    for (policy, variant), cells in per_id_rows.items():
+        per_id.add_row(policy, variant, *(f"{cells[p]:.3f}" for p in pools))
+    return [by_pool, per_id]
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, label in (("release", "release path (patched/upstream)"),
+                        ("add_request", "add_request (patched/unpatched)"),
+                        ("e2e", "end to end (patched/unpatched)")):
+        rows = report[name]["rows"]
+        judged = [r for r in rows if r["verdict"] in ("PASS", "FAIL")]
+        passed = [r for r in judged if r["verdict"] == "PASS"]
+        key = "patched/upstream" if name == "release" else "patched/unpatched"
+        clock = report[name]["clock"]
+        worst = max((r["ratios"][key][clock] for r in judged), default=float("nan"))
+        skipped = len(rows) - len(judged)
+        extra = ""
+        if name == "e2e":
+            attributed = max((r["ratios"][key]["attributed"] for r in rows), default=float("nan"))
+            extra = f"; cost inside the patched functions: worst {attributed:.4f}x"
+        lines.append(f"{label}: {len(passed)}/{len(judged)} rows PASS "
+                     f"(target <= {report[name]['target']:.2f}x, worst {worst:.2f}x)"
+                     + (f", {skipped} n/a" if skipped else "") + extra)
+    return lines
+
+
+def print_report(report: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    meta = report["meta"]
+    machine = meta["machine"]
+    console.print(f"[bold]megatron-ext bench[/]: {machine['nproc']} CPUs ({machine['cpu_model']}), "
+                  f"Python {machine['python']}, load average {meta['load_average_start']} -> "
+                  f"{meta.get('load_average_end')}, total {meta.get('total_s', 0):.0f} s"
+                  + ("  [yellow](--short: tiny sizes, few repetitions; verdicts not meaningful)[/]"
+                     if meta["settings"]["short"] else ""))
+    pinned = meta.get("workers_pinned_to_cpu")
+    console.print(f"  one worker process per release, "
+                  + (f"all pinned to CPU {pinned}" if pinned is not None else "not pinned")
+                  + "; torch on one intra-op thread")
+    for version, tree in meta.get("releases", {}).items():
+        states = ", ".join(f"{p['patch']} {p['state']}" for p in tree.get("patches", []))
+        console.print(f"  megatron-core {version}: {tree.get('megatron_core_path', tree['path'])} "
+                      f"(torch {tree.get('torch')}; {states})")
+    for table in release_tables(report["release"]):
+        console.print(table)
+    console.print(add_request_table(report["add_request"]))
+    console.print(e2e_table(report["e2e"]))
+    for table in scaling_tables(report["scaling"]):
+        console.print(table)
+    for line in summary_lines(report):
+        console.print(line)

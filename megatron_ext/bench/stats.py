@@ -1,0 +1,50 @@
+"""Order statistics of timing samples (nanoseconds in, microseconds out)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Iterable, Sequence
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile of an ascending sequence (numpy's default method)."""
+    if not sorted_values:
+        raise ValueError("quantile of an empty sample")
+    position = (len(sorted_values) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def summarize(samples_ns: Iterable[int | float], scale: float = 1e-3) -> dict[str, float]:
+    """Median, quartiles, IQR, min, max and count of a sample, in ``ns * scale`` units (µs by default)."""
+    values = sorted(float(v) * scale for v in samples_ns)
+    return {
+        "median": quantile(values, 0.5),
+        "q1": quantile(values, 0.25),
+        "q3": quantile(values, 0.75),
+        "iqr": quantile(values, 0.75) - quantile(values, 0.25),
+        "min": values[0],
+        "max": values[-1],
+        "n": len(values),
+    }
+
+
+def ratio_summary(numerators: Sequence[float], denominators: Sequence[float]) -> dict[str, float]:
+    """Spread of per-round ratios ``numerators[i] / denominators[i]`` (median, min, max, quartiles).
+
+    Each round is a short interleaved batch of both variants, so a round's ratio is little affected
+    by load drift on the machine; the spread over rounds says how far the overall ratio can be trusted.
+    """
+    ratios = sorted(n / d for n, d in zip(numerators, denominators) if d > 0)
+    if not ratios:
+        return {"median": float("nan"), "q1": float("nan"), "q3": float("nan"),
+                "min": float("nan"), "max": float("nan"), "n": 0}
+    return {
+        "median": statistics.median(ratios),
+        "q1": quantile(ratios, 0.25),
+        "q3": quantile(ratios, 0.75),
+        "min": ratios[0],
+        "max": ratios[-1],
+        "n": len(ratios),
+    }

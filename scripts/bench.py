@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""What megatron-ext's runtime patches cost: release path, KV-append redirect, end to end, scaling.
+
+    .venv/bin/python scripts/bench.py                 # full run (a few minutes)
+    .venv/bin/python scripts/bench.py --short         # CI: tiny sizes, few repetitions (~1 min)
+    .venv/bin/python scripts/bench.py --json out.json
+
+Each megatron-core release runs in its own worker process with that release's unpacked tree
+first on PYTHONPATH: /tmp/mc/src/<version> if present (or --trees DIR), else the wheel from
+.venv/mcore-wheels/ (downloaded with `pip download --no-deps` when missing), unzipped into a
+temporary directory. Sections:
+
+1. release path: KVBlockAllocator.release_memory_blocks of 0.18.2 + megatron-ext's patch vs
+   0.18.2 unpatched vs 0.19.2 (upstream's fix), both eviction policies, pools of 4,096 /
+   65,536 / 1,048,576 blocks, 1 / 64 / 4,096 released IDs of N-sample sibling groups;
+   allocator state rebuilt before every timed call. Target: patched/upstream <= 1.10.
+2. KV-append redirect: DynamicInferenceContext.add_request patched vs unpatched, prompts of 64
+   to 8,192 tokens, full / partial / no prefix match (0.18.2 and 0.19.2). Target: <= 1.05.
+3. end to end: engine step time of the default `ab` case on the CPU backend, patched vs
+   unpatched (0.18.2 and 0.19.2). Target: <= 1.02.
+4. scaling: release cost vs pool size and vs released IDs (from section 1).
+
+Every timed call records both the wall clock (time.perf_counter_ns) and the calling thread's
+CPU time (time.thread_time_ns; torch runs on one intra-op thread). Verdicts use --clock (default
+cpu): on a shared machine the wall clock also counts time the process waited for a core. Workers
+run one at a time, pinned to one CPU after start-up (--cpu), and variants are interleaved in
+short batches, round by round, so that load on the machine hits every variant alike.
+
+JSON (--json): {"meta": machine, settings, releases (tree, patch states), stage_s, total_s;
+"release" / "add_request" / "e2e": {"target", "clock", "rows": [...]}; "scaling": {"rows"}}.
+Each row has "variants" (per variant: {"cpu_us"|"wall_us": {median, q1, q3, iqr, min, max, n}}),
+"ratios" (e.g. "patched/upstream": {"cpu", "wall", "rounds_cpu": spread of per-round ratios}) and
+"verdict" (PASS / FAIL; e2e rows whose two runs did different work: n/a).
+Exit status: 0 when the run completed (whatever the verdicts; --strict: 1 if any FAILs), 2 on error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+if "megatron_ext" not in sys.modules:
+    # The orchestrator needs only megatron_ext.bench's runner/report/trees/stats (no torch), but
+    # megatron_ext/__init__ imports the patches and with them torch: ~10 s of CPU on a small
+    # machine, taken from the workers starting up. A bare package object for megatron_ext lets its
+    # submodules import normally without running that __init__ (the workers import it in full).
+    _package = types.ModuleType("megatron_ext")
+    _package.__path__ = [str(REPO / "megatron_ext")]
+    sys.modules["megatron_ext"] = _package
+
+from rich.console import Console  # noqa: E402
+
+from megatron_ext.bench import report as bench_report  # noqa: E402
+from megatron_ext.bench.runner import run, settings  # noqa: E402
+from megatron_ext.bench.trees import DEFAULT_SEARCH  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    summary, _, details = __doc__.partition("\n\n")
+    parser = argparse.ArgumentParser(description=summary, epilog=details,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--short", action="store_true", help="tiny sizes, few repetitions (CI smoke run)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the full report as JSON")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="clock the PASS/FAIL verdicts use (default: cpu)")
+    parser.add_argument("--trees", type=Path, action="append", metavar="DIR",
+                        help="directory of unpacked releases as DIR/<version>/megatron "
+                             f"(repeatable; default {DEFAULT_SEARCH[0]})")
+    parser.add_argument("--cpu", type=int, metavar="N",
+                        help="CPU every worker is pinned to after start-up (default: the last usable "
+                             "CPU; -1: no pinning)")
+    parser.add_argument("--release-rounds", type=int, help="override section 1's rounds")
+    parser.add_argument("--e2e-runs", type=int, help="override section 3's runs per variant")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if any verdict is FAIL")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = settings(args.short)
+    config.clock = args.clock
+    config.cpu = args.cpu
+    if args.release_rounds:
+        config.release_rounds = args.release_rounds
+    if args.e2e_runs:
+        config.e2e_runs = args.e2e_runs
+    console = Console(width=max(Console().width, 220) if not sys.stdout.isatty() else None)
+    err = Console(stderr=True, soft_wrap=True)
+    progress = (lambda message: None) if args.quiet else (lambda message: err.print(f"[dim]{message}[/]"))
+    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    try:
+        report = run(config, args.trees, progress, command=command)
+    except Exception as exc:  # a worker failed, no tree could be found, ...
+        err.print(f"[bold red]bench failed:[/] {type(exc).__name__}: {exc}")
+        return 2
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    bench_report.print_report(report, console)
+    if args.json:
+        console.print(f"JSON report: {args.json}")
+    failed = any(r["verdict"] != "PASS" for s in ("release", "add_request", "e2e") for r in report[s]["rows"])
+    return 1 if (args.strict and failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

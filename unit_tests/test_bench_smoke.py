@@ -1,0 +1,88 @@
+"""``scripts/bench.py --short`` runs every section and writes a complete JSON report.
+
+Checks the shape of the report (every section present, numeric medians and ratios, a verdict per
+row), not the timings themselves: ``--short`` uses tiny sizes and a few repetitions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "scripts" / "bench.py"
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _stats_ok(stats: dict) -> None:
+    for key in ("median", "q1", "q3", "min", "max"):
+        assert _number(stats[key]), (key, stats)
+    assert stats["n"] >= 1
+    assert stats["min"] <= stats["median"] <= stats["max"]
+
+
+def _ratio_ok(ratio: dict) -> None:
+    assert _number(ratio["cpu"]) and ratio["cpu"] > 0, ratio
+    assert _number(ratio["wall"]) and ratio["wall"] > 0, ratio
+
+
+def test_short_bench_prints_the_tables_and_writes_every_section(tmp_path):
+    report_path = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_EXT_")}
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--short", "--json", str(report_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for title in ("1. Release path", "2. KV-append redirect", "3. End to end", "4a. Release cost vs pool size"):
+        assert title in done.stdout, done.stdout[-3000:]
+
+    report = json.loads(report_path.read_text())
+    assert report["meta"]["settings"]["short"] is True
+    assert _number(report["meta"]["total_s"])
+
+    release = report["release"]["rows"]
+    assert {r["policy"] for r in release} == {"REF_ZERO", "LRU"}
+    for row in release:
+        for variant in ("patched", "unpatched", "upstream"):
+            _stats_ok(row["variants"][variant]["cpu_us"])
+            _stats_ok(row["variants"][variant]["wall_us"])
+        _ratio_ok(row["ratios"]["patched/upstream"])
+        _ratio_ok(row["ratios"]["patched/unpatched"])
+        assert row["verdict"] in ("PASS", "FAIL")
+        assert row["same_result_as_upstream"] is True  # the patched release does what 0.19.2 does
+
+    add = report["add_request"]["rows"]
+    assert {r["match"] for r in add} == {"full", "partial", "none"}
+    for row in add:
+        for variant in ("patched", "unpatched"):
+            _stats_ok(row["variants"][variant]["cpu_us"])
+            _stats_ok(row["variants"][variant]["wall_us"])
+        _ratio_ok(row["ratios"]["patched/unpatched"])
+        assert _number(row["overhead_us"])
+        assert row["verdict"] in ("PASS", "FAIL")
+
+    e2e = report["e2e"]["rows"]
+    assert e2e
+    for row in e2e:
+        for variant in ("patched", "unpatched"):
+            for key in ("step_cpu_us", "step_wall_us", "run_cpu_ms", "run_wall_ms"):
+                _stats_ok(row["variants"][variant][key])
+        _ratio_ok(row["ratios"]["patched/unpatched"])
+        assert row["verdict"] in ("PASS", "FAIL")
+
+    scaling = report["scaling"]["rows"]
+    by_pool = [r for r in scaling if "pool_growth" in r]
+    per_id = [r for r in scaling if "us_per_released_id" in r]
+    assert by_pool and per_id
+    for row in by_pool:
+        assert all(_number(v) for v in row["median_us_by_pool"].values())
+        assert _number(row["pool_growth"])
+    assert all(_number(r["us_per_released_id"]) for r in per_id)
