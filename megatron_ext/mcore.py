@@ -30,13 +30,16 @@ def installed_version() -> str:
     """Return the release of the importable megatron-core as a string, e.g. ``"0.19.2"``.
 
     Read from ``megatron.core.package_info`` (the code that is actually imported, also a source
-    tree on ``PYTHONPATH``), falling back to the distribution metadata.
+    tree on ``PYTHONPATH``) as MAJOR.MINOR.PATCH + PRE_RELEASE, falling back to the distribution
+    metadata. Not ``__version__``: megatron-core appends the git hash of whatever repository
+    its directory sits in (a virtualenv inside a project checkout gives ``0.18.2+<project hash>``).
 
     Raises:
         MegatronCoreNotFoundError: megatron-core is not importable.
     """
     try:
-        return str(importlib.import_module("megatron.core.package_info").__version__)
+        info = importlib.import_module("megatron.core.package_info")
+        return f"{info.MAJOR}.{info.MINOR}.{info.PATCH}{getattr(info, 'PRE_RELEASE', '')}"
     except ImportError as exc:
         try:
             return importlib.metadata.version("megatron-core")
