@@ -190,10 +190,11 @@ class Patch(ABC):
 
     def plan(self, version: str, force: bool) -> PatchResult:
         """Decide without changing anything: APPLICABLE, APPLIED, NOT_NEEDED or REFUSED."""
+        if mcore.base_release(version) not in mcore.SUPPORTED_RELEASES and not force:
+            # before touching the targets: an unsupported release may not even have them
+            return self.check(version)  # refusal naming the supported releases
         if self.is_applied():
             return self.result(PatchState.APPLIED, "already applied by megatron-ext")
-        if mcore.base_release(version) not in mcore.SUPPORTED_RELEASES and not force:
-            return self.check(version)  # refusal naming the supported releases
         try:
             needed, evidence = self.needed()
         except Exception as exc:  # a probe that cannot run says nothing about the fault
