@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
-from megatron_ext import mcore
 from megatron_ext.cpu_backend import cuda_on_cpu
-from megatron_ext.engine import ensure_model_parallel
+from megatron_ext.engine import prefix_caching_request, small_prefix_caching_context
 
 BLOCK = 16  # tokens per KV block in every context built here
 
@@ -21,34 +18,16 @@ BLOCK = 16  # tokens per KV block in every context built here
 def prefix_caching_context(policy: str = "REF_ZERO", max_tokens: int = 256):
     """Yield a DynamicInferenceContext (2 layers, 4 heads of 16, fp32, block size 16) with prefix
     caching and chunked prefill on, inside the CPU stand-ins."""
-    config = mcore.import_module("megatron.core.inference.config")
-    transformer = mcore.import_module("megatron.core.transformer.transformer_config")
-    dynamic = mcore.import_module(mcore.DYNAMIC_CONTEXT_MODULE)
     with cuda_on_cpu():
-        ensure_model_parallel()
-        model_config = transformer.TransformerConfig(
-            num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16,
-            params_dtype=torch.float32,
+        yield small_prefix_caching_context(
+            policy, block_size_tokens=BLOCK, buffer_size_gb=0.01, max_requests=8,
+            max_tokens=max_tokens, max_sequence_length=256,
         )
-        inference_config = config.InferenceConfig(
-            block_size_tokens=BLOCK, buffer_size_gb=0.01, max_requests=8, max_tokens=max_tokens,
-            max_sequence_length=256, enable_prefix_caching=True, enable_chunked_prefill=True,
-            prefix_caching_eviction_policy=getattr(config.PrefixCachingEvictionPolicy, policy),
-        )
-        yield dynamic.DynamicInferenceContext(model_config, inference_config)
 
 
 def make_request(request_id: int, tokens: list[int]):
     """A DynamicInferenceRequest with block hashes computed for BLOCK-token blocks."""
-    inference_request = mcore.import_module("megatron.core.inference.inference_request")
-    sampling = mcore.import_module("megatron.core.inference.sampling_params")
-    return inference_request.DynamicInferenceRequest(
-        request_id=request_id,
-        prompt_tokens=torch.tensor(tokens, dtype=torch.int64),
-        sampling_params=sampling.SamplingParams(num_tokens_to_generate=4),
-        block_size_tokens=BLOCK,
-        enable_prefix_caching=True,
-    )
+    return prefix_caching_request(request_id, tokens, BLOCK)
 
 
 def add_and_collect_writes(context, req, chunk: int | None = None) -> list[tuple[int, int]]:

@@ -21,11 +21,8 @@ import gc
 import time
 from typing import Any
 
-import torch
-
-from .. import mcore
 from ..cpu_backend import cuda_on_cpu
-from ..engine import ensure_model_parallel
+from ..engine import prefix_caching_request, small_prefix_caching_context
 
 BLOCK = 16
 MATCHES = ("full", "partial", "none")
@@ -33,37 +30,18 @@ MATCHES = ("full", "partial", "none")
 
 def build_context(policy: str, max_prompt: int) -> Any:
     """A prefix-caching DynamicInferenceContext with room for two ``max_prompt``-token prompts in one step."""
-    config = mcore.import_module("megatron.core.inference.config")
-    transformer = mcore.import_module("megatron.core.transformer.transformer_config")
-    dynamic = mcore.import_module(mcore.DYNAMIC_CONTEXT_MODULE)
     blocks_needed = 2 * (max_prompt // BLOCK + 2) + 64
     # KV bytes per block: K and V x 2 layers x 16 tokens x 4 heads x 16 dims x 4 bytes (fp32).
     buffer_gb = blocks_needed * 2 * 2 * BLOCK * 64 * 4 * 1.5 / 1024**3
     with cuda_on_cpu():
-        ensure_model_parallel()
-        model_config = transformer.TransformerConfig(
-            num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16,
-            params_dtype=torch.float32,
-        )
-        inference_config = config.InferenceConfig(
-            block_size_tokens=BLOCK, buffer_size_gb=buffer_gb, max_requests=8,
+        return small_prefix_caching_context(
+            policy, block_size_tokens=BLOCK, buffer_size_gb=buffer_gb, max_requests=8,
             max_tokens=2 * max_prompt + 2 * BLOCK, max_sequence_length=max_prompt + 2 * BLOCK,
-            enable_prefix_caching=True, enable_chunked_prefill=True,
-            prefix_caching_eviction_policy=getattr(config.PrefixCachingEvictionPolicy, policy),
         )
-        return dynamic.DynamicInferenceContext(model_config, inference_config)
 
 
 def make_request(request_id: int, tokens: list[int]) -> Any:
-    inference_request = mcore.import_module("megatron.core.inference.inference_request")
-    sampling = mcore.import_module("megatron.core.inference.sampling_params")
-    return inference_request.DynamicInferenceRequest(
-        request_id=request_id,
-        prompt_tokens=torch.tensor(tokens, dtype=torch.int64),
-        sampling_params=sampling.SamplingParams(num_tokens_to_generate=4),
-        block_size_tokens=BLOCK,
-        enable_prefix_caching=True,
-    )
+    return prefix_caching_request(request_id, tokens, BLOCK)
 
 
 def prompts(length: int, match: str) -> tuple[list[int], list[int]]:
