@@ -17,12 +17,11 @@ variants alike. ``add_request`` touches only CPU tensors, so it needs no stand-i
 
 from __future__ import annotations
 
-import gc
-import time
 from typing import Any
 
 from ..cpu_backend import cuda_on_cpu
 from ..engine import prefix_caching_request, small_prefix_caching_context
+from .stats import time_calls
 
 BLOCK = 16
 MATCHES = ("full", "partial", "none")
@@ -98,22 +97,5 @@ class AddRequestBench:
     def time(self, function: Any, reps: int) -> tuple[list[int], list[int]]:
         """``reps`` back-to-back timed ``add_request`` calls of the probe; (wall ns, CPU ns)."""
         setattr(self.cls, "add_request", function)
-        ctx, probe, prepare = self.context, self.probe, self._prepare
-        wall: list[int] = []
-        cpu: list[int] = []
-        clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
-        gc_was_enabled = gc.isenabled()
-        # no gc.collect() here: with torch and megatron-core loaded it takes ~0.1 s per batch
-        gc.disable()
-        try:
-            for _ in range(reps):
-                prepare()
-                w0, c0 = clock(), cpu_clock()
-                ctx.add_request(probe)
-                c1, w1 = cpu_clock(), clock()
-                wall.append(w1 - w0)
-                cpu.append(c1 - c0)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        return wall, cpu
+        ctx, probe = self.context, self.probe
+        return time_calls(self._prepare, lambda: ctx.add_request(probe), reps)

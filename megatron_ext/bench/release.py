@@ -15,8 +15,6 @@ and ``total_avail``); only the call itself is timed.
 
 from __future__ import annotations
 
-import gc
-import time
 import types
 from typing import Any
 from unittest import mock
@@ -24,6 +22,7 @@ from unittest import mock
 import torch
 
 from .. import mcore
+from .stats import time_calls
 
 #: Per-block bookkeeping tensors a release (or the deregistration it triggers) may write.
 PER_BLOCK_TENSORS = ("block_ref_counts", "block_hashes", "block_timestamps", "block_parent_id",
@@ -184,48 +183,16 @@ class ReleaseBench:
         The state is rebuilt before each call; returns (wall ns, thread CPU ns) per call.
         """
         setattr(self.cls, "release_memory_blocks", function)
-        alloc, blocks, rebuild = self.allocator, self.blocks, self.rebuild
-        wall: list[int] = []
-        cpu: list[int] = []
-        clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
-        gc_was_enabled = gc.isenabled()
-        # no gc.collect() here: with torch and megatron-core loaded it takes ~0.1 s per batch
-        gc.disable()
-        try:
-            for _ in range(reps):
-                rebuild()
-                w0, c0 = clock(), cpu_clock()
-                alloc.release_memory_blocks(blocks)
-                c1, w1 = cpu_clock(), clock()
-                wall.append(w1 - w0)
-                cpu.append(c1 - c0)
-            rebuild()
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        return wall, cpu
+        alloc, blocks = self.allocator, self.blocks
+        samples = time_calls(self.rebuild, lambda: alloc.release_memory_blocks(blocks), reps)
+        self.rebuild()
+        return samples
 
     def time_rebuild(self, reps: int) -> tuple[list[int], list[int]]:
         """Control for the scaling table: time ``rebuild()`` alone, which touches the same entries
         of the same tables (ref counts, hashes, hash map, free-pool bag) as a release does, with no
         work that depends on the pool size. (wall ns, thread CPU ns) per call."""
-        wall: list[int] = []
-        cpu: list[int] = []
-        clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
-        rebuild = self.rebuild
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            for _ in range(reps):
-                w0, c0 = clock(), cpu_clock()
-                rebuild()
-                c1, w1 = cpu_clock(), clock()
-                wall.append(w1 - w0)
-                cpu.append(c1 - c0)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        return wall, cpu
+        return time_calls(lambda: None, self.rebuild, reps)
 
     def describe(self) -> dict[str, Any]:
         return {"ids": self.n_ids, "unique": self.n_unique, "hashed": self.n_hashed,
