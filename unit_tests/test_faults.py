@@ -1,11 +1,18 @@
-"""Faults inside a patched add_request leave the books as they were (issue: reliability)."""
+"""Faults inside the patched functions leave the books as they were (issue: reliability).
+
+"The books": ref counts, the hash map, block hashes, the free pool and the block tables. Each test
+injects a failure, checks the books are exactly as before, then checks the same call succeeds
+once the failure is gone.
+"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_ext import mcore
-from megatron_ext.patches.matched_block_writes import MATCHED_POSITIONS_ATTR
+from megatron_ext.patches.matched_block_writes import MATCHED_RANGES_ATTR
+from megatron_ext.patches.release_refcount import release_blocks_per_occurrence
 
 from .context_factory import add_and_collect_writes, make_request, prefix_caching_context
 
@@ -20,6 +27,8 @@ def books(ctx) -> tuple:
         sorted(allocator.block_bag[: allocator.total_avail].tolist()),
         ctx.total_request_count,
         ctx.active_token_count,
+        allocator.block_hashes.tolist(),
+        ctx.request_to_kv_block_ids[: ctx.total_request_count].tolist(),
     )
 
 
@@ -35,9 +44,74 @@ def test_allocation_failure_in_patched_add_request_changes_nothing(runtime_patch
         with pytest.raises(overflow):
             ctx.add_request(second)
         assert books(ctx) == before
-        assert MATCHED_POSITIONS_ATTR not in second.__dict__
+        assert MATCHED_RANGES_ATTR not in second.__dict__
         monkeypatch.undo()
         # The same request is admitted afterwards, and its recomputed tokens still avoid R1's blocks.
         writes = add_and_collect_writes(ctx, second)
         shared = set(ctx.request_to_kv_block_ids[0][:2].tolist())
         assert not shared & {block for _, block in writes}
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def three_owners_of_one_prompt(ctx) -> None:
+    """R1, R2, R3 with the same 40-token prompt: 2 shared hashed blocks (ref count 3 each) and one
+    private partial block per request."""
+    for request_id in (1, 2, 3):
+        ctx.add_request(make_request(request_id, P32 + list(range(3000, 3008))))
+
+
+def raise_injected(*_args, **_kwargs):
+    raise InjectedFault("injected")
+
+
+@pytest.mark.parametrize("where", ["entry", "after-hash-map-pops"])
+def test_exception_inside_patched_release_restores_the_books(monkeypatch, where):
+    """REF_ZERO release of all three owners in one call (as a step finishing them does) fails
+    inside ``_deregister_blocks``: at its entry, or in its Mamba hook, which runs after the hash-map
+    entries were popped and before hashes, ref counts and free pool are reset.
+
+    megatron-ext's release (installed here on every release, also on 0.19 where upstream's own fix
+    makes the runtime patch unnecessary: upstream's is not exception safe) puts everything back."""
+    kv_allocator = mcore.import_module(mcore.KV_BLOCK_ALLOCATOR_MODULE).KVBlockAllocator
+    monkeypatch.setattr(kv_allocator, "release_memory_blocks", release_blocks_per_occurrence)
+    with prefix_caching_context("REF_ZERO") as ctx:
+        three_owners_of_one_prompt(ctx)
+        allocator = ctx.kv_block_allocator
+        shared = ctx.request_to_kv_block_ids[0][:2].tolist()
+        assert [int(allocator.block_ref_counts[b]) for b in shared] == [3, 3]
+        before = books(ctx)
+        if where == "entry":
+            monkeypatch.setattr(allocator, "_deregister_blocks", raise_injected)
+        else:
+            monkeypatch.setattr(allocator, "on_blocks_deregistered", raise_injected)
+        with pytest.raises(InjectedFault):
+            ctx.release_memory_blocks_from_request_indexes(torch.tensor([0, 1, 2]))
+        assert books(ctx) == before
+        monkeypatch.undo()  # the failure is gone; megatron-ext's release installed again
+        monkeypatch.setattr(kv_allocator, "release_memory_blocks", release_blocks_per_occurrence)
+        ctx.release_memory_blocks_from_request_indexes(torch.tensor([0, 1, 2]))
+        assert allocator.block_ref_counts.tolist() == [0] * len(allocator.block_ref_counts)
+        assert dict(allocator.kv_hash_to_block_id) == {}
+        assert allocator.total_avail == allocator.total_count - 1  # all but the dummy block
+
+
+@pytest.mark.parametrize("policy", ["REF_ZERO", "LRU"])
+def test_release_more_often_than_held_changes_nothing(monkeypatch, policy):
+    """A fourth release of the shared blocks (held by three) raises RefCountUnderflowError and
+    leaves every ref count, hash and the free pool as they were; LRU and REF_ZERO alike."""
+    from megatron_ext.patches.release_refcount import RefCountUnderflowError
+
+    kv_allocator = mcore.import_module(mcore.KV_BLOCK_ALLOCATOR_MODULE).KVBlockAllocator
+    monkeypatch.setattr(kv_allocator, "release_memory_blocks", release_blocks_per_occurrence)
+    with prefix_caching_context(policy) as ctx:
+        three_owners_of_one_prompt(ctx)
+        shared = ctx.request_to_kv_block_ids[0][:2]
+        before = books(ctx)
+        first, second = shared.tolist()
+        expected = rf"KV blocks \[{first}, {second}\] .*\(held \[3, 3\], released \[4, 4\] times\)"
+        with pytest.raises(RefCountUnderflowError, match=expected):
+            ctx.kv_block_allocator.release_memory_blocks(shared.repeat(4))
+        assert books(ctx) == before

@@ -49,35 +49,104 @@ def release_blocks_per_occurrence(allocator: Any, blocks: torch.Tensor) -> None:
     was duplicated: under REF_ZERO it is deregistered and returned to the free pool; under LRU it
     stays cached if it has a hash, and goes back to the free pool if it has none.
 
+    Cost: one accumulating scatter, one gather and one host sync when no block reaches zero;
+    ``torch.unique`` runs only over the blocks that reached zero (see the issue-7 benchmark).
+
     Raises:
-        RefCountUnderflowError: some block would drop below zero. Nothing is changed in that case.
+        RefCountUnderflowError: some block would drop below zero. Nothing is changed.
+        Any exception raised while handing back the blocks that reached zero (for instance by
+        ``_deregister_blocks`` or its Mamba hook) propagates after ref counts, hash map, hashes
+        and free pool are restored to what they were before the call.
     """
     ref_counts = allocator.block_ref_counts
-    ids = blocks.to(device=ref_counts.device, dtype=torch.int64)
-    unique_ids, occurrences = torch.unique(ids, return_counts=True)  # sorted ascending
-    remaining = ref_counts[unique_ids] - occurrences.to(ref_counts.dtype)
-    underflow = remaining < 0
-    if bool(underflow.any()):
-        raise RefCountUnderflowError(
-            f"releasing KV blocks {unique_ids[underflow].tolist()} would make their ref counts "
-            f"negative (held {ref_counts[unique_ids[underflow]].tolist()}, released "
-            f"{occurrences[underflow].tolist()} times); a block was released more often than it "
-            "was allocated or matched. Nothing was released."
-        )
-    ref_counts[unique_ids] = remaining
-    reached_zero = unique_ids[remaining == 0].to(blocks.dtype)
-    if reached_zero.numel() == 0:
+    ids = blocks
+    if ids.device != ref_counts.device or ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.to(device=ref_counts.device, dtype=torch.int64)
+    # index_add_ accumulates duplicate indices: an ID listed k times drops by k.
+    ref_counts.index_add_(0, ids, _ones(ref_counts, -1, ids.numel()))
+    after = ref_counts.index_select(0, ids)
+    lowest = int(after.min())  # the one host sync of the common path
+    if lowest < 0:
+        _undo_decrement(ref_counts, ids)
+        raise _underflow_error(ref_counts, ids)
+    if lowest > 0:
+        return  # no block reached zero
+    if allocator.prefix_caching_eviction_policy.name == "REF_ZERO":
+        _deregister_reached_zero(allocator, ids, after == 0)
+    else:
+        _free_unhashed_reached_zero(allocator, ids, after == 0)
+
+
+def _deregister_reached_zero(allocator: Any, ids: torch.Tensor, reached_zero: torch.Tensor) -> None:
+    """REF_ZERO: deregister each block that reached zero once; on any error, restore the books."""
+    zero_ids = torch.unique(ids.masked_select(reached_zero))
+    hashes = allocator.block_hashes.index_select(0, zero_ids).tolist()
+    hash_map = allocator.kv_hash_to_block_id
+    saved_entries = {h: hash_map[h] for h in hashes if h in hash_map}
+    saved_avail = allocator.total_avail
+    try:
+        allocator._deregister_blocks(zero_ids)
+    except BaseException:
+        # _deregister_blocks pops hash-map entries, then resets hashes and ref counts, then
+        # returns the blocks to the pool: put back whatever it got to.
+        hash_map.update(saved_entries)
+        allocator.block_hashes[zero_ids] = torch.tensor(hashes, dtype=allocator.block_hashes.dtype,
+                                                       device=allocator.block_hashes.device)
+        allocator.total_avail = saved_avail
+        _undo_decrement(allocator.block_ref_counts, ids)
+        raise
+
+
+def _free_unhashed_reached_zero(allocator: Any, ids: torch.Tensor, reached_zero: torch.Tensor) -> None:
+    """LRU: hashed blocks stay cached (evictable); unhashed ones (a request's partial last block)
+    have nothing to reuse and go back to the free pool, each once."""
+    unhashed = ids.masked_select(reached_zero & (allocator.block_hashes.index_select(0, ids) == -1))
+    if unhashed.numel() == 0:
         return
-    policy = allocator.prefix_caching_eviction_policy.name
-    if policy == "REF_ZERO":
-        allocator._deregister_blocks(reached_zero)
-    elif policy == "LRU":
-        # Hashed blocks stay cached (evictable); unhashed ones (a request's partial last block)
-        # have nothing to reuse and go straight back to the free pool.
-        unhashed = reached_zero[allocator.block_hashes[reached_zero.to(torch.int64)] == -1]
-        count = unhashed.numel()
-        allocator.block_bag[allocator.total_avail : allocator.total_avail + count] = unhashed
-        allocator.total_avail += count
+    saved_avail = allocator.total_avail
+    try:
+        unhashed = torch.unique(unhashed).to(allocator.block_bag.dtype)
+        freed = unhashed.numel()
+        allocator.block_bag[saved_avail : saved_avail + freed] = unhashed
+        allocator.total_avail = saved_avail + freed
+    except BaseException:
+        allocator.total_avail = saved_avail
+        _undo_decrement(allocator.block_ref_counts, ids)
+        raise
+
+
+_ONES: dict[tuple, torch.Tensor] = {}
+
+
+def _ones(ref_counts: torch.Tensor, sign: int, length: int) -> torch.Tensor:
+    """``sign`` repeated ``length`` times in the ref counts' dtype and device, without a copy.
+
+    A cached 1-element tensor expanded to ``length``: building a fresh ``[n]`` tensor per release
+    costs more than the scatter itself for small releases.
+    """
+    key = (ref_counts.device, ref_counts.dtype, sign)
+    one = _ONES.get(key)
+    if one is None:
+        one = _ONES[key] = torch.tensor([sign], dtype=ref_counts.dtype, device=ref_counts.device)
+    return one.expand(length)
+
+
+def _undo_decrement(ref_counts: torch.Tensor, ids: torch.Tensor) -> None:
+    """Add back one per occurrence: ref counts exactly as before the release's decrement."""
+    ref_counts.index_add_(0, ids, _ones(ref_counts, 1, ids.numel()))
+
+
+def _underflow_error(ref_counts: torch.Tensor, ids: torch.Tensor) -> RefCountUnderflowError:
+    """The error for a release that would go negative (ref counts already restored)."""
+    unique_ids, occurrences = torch.unique(ids.to(torch.int64), return_counts=True)
+    held = ref_counts[unique_ids]
+    underflow = held < occurrences.to(held.dtype)
+    return RefCountUnderflowError(
+        f"releasing KV blocks {unique_ids[underflow].tolist()} would make their ref counts "
+        f"negative (held {held[underflow].tolist()}, released {occurrences[underflow].tolist()} "
+        "times); a block was released more often than it was allocated or matched. "
+        "Nothing was released."
+    )
 
 
 def _release_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
