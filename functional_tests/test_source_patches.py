@@ -69,7 +69,8 @@ def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(ver
     assert {p["patch"]: p["state"] for p in payload["patches"]} == {
         "release-refcount": "not needed", "matched-block-writes": "not needed"}
     tests = run_with(tree, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                     "unit_tests/test_release_refcount.py", "unit_tests/test_matched_block_writes.py")
+                     "unit_tests/test_release_refcount.py", "unit_tests/test_matched_block_writes.py",
+                     "unit_tests/test_faults.py")
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and "failed" not in tests.stdout
 

@@ -12,8 +12,9 @@ import torch
 
 from megatron_ext import mcore
 from megatron_ext.patches.matched_block_writes import MATCHED_RANGES_ATTR
-from megatron_ext.patches.release_refcount import release_blocks_per_occurrence
+from megatron_ext.patches.release_refcount import RefCountUnderflowError, release_blocks_per_occurrence
 
+from .conftest import SOURCE_PATCHED
 from .context_factory import add_and_collect_writes, make_request, prefix_caching_context
 
 P32 = list(range(1000, 1032))
@@ -67,16 +68,27 @@ def raise_injected(*_args, **_kwargs):
     raise InjectedFault("injected")
 
 
+@pytest.fixture
+def install_megatron_ext_release(monkeypatch, mcore_series):
+    """Make ``KVBlockAllocator.release_memory_blocks`` megatron-ext's fixed release, on every release.
+
+    On a tree carrying the source patch of fix 1 (0.17/0.18 series) the tree's own method is the
+    one under test; elsewhere the runtime function is installed, also on 0.19, where upstream's fix
+    makes the runtime patch unnecessary but is not exception safe (the fault tests fail there).
+    """
+    if SOURCE_PATCHED and mcore_series in ("0.17", "0.18"):
+        return
+    allocator_cls = mcore.import_module(mcore.KV_BLOCK_ALLOCATOR_MODULE).KVBlockAllocator
+    monkeypatch.setattr(allocator_cls, "release_memory_blocks", release_blocks_per_occurrence)
+
+
 @pytest.mark.parametrize("where", ["entry", "after-hash-map-pops"])
-def test_exception_inside_patched_release_restores_the_books(monkeypatch, where):
+def test_exception_inside_patched_release_restores_the_books(install_megatron_ext_release, monkeypatch, where):
     """REF_ZERO release of all three owners in one call (as a step finishing them does) fails
     inside ``_deregister_blocks``: at its entry, or in its Mamba hook, which runs after the hash-map
     entries were popped and before hashes, ref counts and free pool are reset.
 
-    megatron-ext's release (installed here on every release, also on 0.19 where upstream's own fix
-    makes the runtime patch unnecessary: upstream's is not exception safe) puts everything back."""
-    kv_allocator = mcore.import_module(mcore.KV_BLOCK_ALLOCATOR_MODULE).KVBlockAllocator
-    monkeypatch.setattr(kv_allocator, "release_memory_blocks", release_blocks_per_occurrence)
+    megatron-ext's release puts everything back."""
     with prefix_caching_context("REF_ZERO") as ctx:
         three_owners_of_one_prompt(ctx)
         allocator = ctx.kv_block_allocator
@@ -90,8 +102,10 @@ def test_exception_inside_patched_release_restores_the_books(monkeypatch, where)
         with pytest.raises(InjectedFault):
             ctx.release_memory_blocks_from_request_indexes(torch.tensor([0, 1, 2]))
         assert books(ctx) == before
-        monkeypatch.undo()  # the failure is gone; megatron-ext's release installed again
-        monkeypatch.setattr(kv_allocator, "release_memory_blocks", release_blocks_per_occurrence)
+        if where == "entry":
+            monkeypatch.delattr(allocator, "_deregister_blocks")  # the class's method again
+        else:
+            allocator.on_blocks_deregistered = None
         ctx.release_memory_blocks_from_request_indexes(torch.tensor([0, 1, 2]))
         assert allocator.block_ref_counts.tolist() == [0] * len(allocator.block_ref_counts)
         assert dict(allocator.kv_hash_to_block_id) == {}
@@ -99,19 +113,17 @@ def test_exception_inside_patched_release_restores_the_books(monkeypatch, where)
 
 
 @pytest.mark.parametrize("policy", ["REF_ZERO", "LRU"])
-def test_release_more_often_than_held_changes_nothing(monkeypatch, policy):
+def test_release_more_often_than_held_changes_nothing(install_megatron_ext_release, policy):
     """A fourth release of the shared blocks (held by three) raises RefCountUnderflowError and
     leaves every ref count, hash and the free pool as they were; LRU and REF_ZERO alike."""
-    from megatron_ext.patches.release_refcount import RefCountUnderflowError
-
-    kv_allocator = mcore.import_module(mcore.KV_BLOCK_ALLOCATOR_MODULE).KVBlockAllocator
-    monkeypatch.setattr(kv_allocator, "release_memory_blocks", release_blocks_per_occurrence)
+    # The source patch cannot import megatron-ext's error class and raises a ValueError (its base).
+    error = ValueError if SOURCE_PATCHED else RefCountUnderflowError
     with prefix_caching_context(policy) as ctx:
         three_owners_of_one_prompt(ctx)
         shared = ctx.request_to_kv_block_ids[0][:2]
         before = books(ctx)
         first, second = shared.tolist()
-        expected = rf"KV blocks \[{first}, {second}\] .*\(held \[3, 3\], released \[4, 4\] times\)"
-        with pytest.raises(RefCountUnderflowError, match=expected):
+        expected = rf"KV blocks \[{first}, {second}\] would make their ref counts negative"
+        with pytest.raises(error, match=expected):
             ctx.kv_block_allocator.release_memory_blocks(shared.repeat(4))
         assert books(ctx) == before
