@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-
 from ..mcore import DYNAMIC_CONTEXT_MODULE
 from ..patching import Patch, Target, fingerprint
 
