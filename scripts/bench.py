@@ -57,8 +57,17 @@ if "megatron_ext" not in sys.modules:
 from rich.console import Console  # noqa: E402
 
 from megatron_ext.bench import report as bench_report  # noqa: E402
-from megatron_ext.bench.runner import run, settings  # noqa: E402
+from megatron_ext.bench.runner import SECTIONS, run, settings  # noqa: E402
 from megatron_ext.bench.trees import DEFAULT_SEARCH  # noqa: E402
+
+
+def section_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown section(s) {unknown or text!r}: choose from {', '.join(SECTIONS)}")
+    return names
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "CPU; -1: no pinning)")
     parser.add_argument("--release-rounds", type=int, help="override section 1's rounds")
     parser.add_argument("--e2e-runs", type=int, help="override section 3's runs per variant")
+    parser.add_argument("--sections", type=section_list, default=list(SECTIONS), metavar="NAMES",
+                        help=f"comma-separated sections to run (default: all: {','.join(SECTIONS)}; "
+                             "scaling comes with release)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any verdict is FAIL")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser.parse_args(argv)
@@ -87,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     config = settings(args.short)
     config.clock = args.clock
     config.cpu = args.cpu
+    config.sections = args.sections
     if args.release_rounds:
         config.release_rounds = args.release_rounds
     if args.e2e_runs:
@@ -106,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_report.print_report(report, console)
     if args.json:
         console.print(f"JSON report: {args.json}")
-    failed = any(r["verdict"] != "PASS" for s in ("release", "add_request", "e2e") for r in report[s]["rows"])
+    failed = any(r["verdict"] != "PASS" for s in args.sections for r in report[s]["rows"])
     return 1 if (args.strict and failed) else 0
 
 

@@ -184,6 +184,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     for name, label in (("release", "release path (patched/upstream)"),
                         ("add_request", "add_request (patched/unpatched)"),
                         ("e2e", "end to end (patched/unpatched)")):
+        if name not in report:
+            continue
         rows = report[name]["rows"]
         judged = [r for r in rows if r["verdict"] in ("PASS", "FAIL")]
         passed = [r for r in judged if r["verdict"] == "PASS"]
@@ -218,11 +220,16 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
         states = ", ".join(f"{p['patch']} {p['state']}" for p in tree.get("patches", []))
         console.print(f"  megatron-core {version}: {tree.get('megatron_core_path', tree['path'])} "
                       f"(torch {tree.get('torch')}; {states})")
-    for table in release_tables(report["release"]):
-        console.print(table)
-    console.print(add_request_table(report["add_request"]))
-    console.print(e2e_table(report["e2e"]))
-    for table in scaling_tables(report["scaling"]):
+    tables = []
+    if "release" in report:
+        tables += release_tables(report["release"])
+    if "add_request" in report:
+        tables.append(add_request_table(report["add_request"]))
+    if "e2e" in report:
+        tables.append(e2e_table(report["e2e"]))
+    if "scaling" in report:
+        tables += scaling_tables(report["scaling"])
+    for table in tables:
         console.print(table)
     for line in summary_lines(report):
         console.print(line)

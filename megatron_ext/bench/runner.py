@@ -31,6 +31,10 @@ UPSTREAM_RELEASE = "0.19.2"  # carries upstream's fix 1 (release_memory_blocks)
 TARGETS = {"release": 1.10, "add_request": 1.05, "e2e": 1.02}
 
 
+#: The timed sections, by the names ``--sections`` accepts.
+SECTIONS = ("release", "add_request", "e2e")
+
+
 @dataclass
 class Settings:
     """What to measure and how often. :func:`settings` gives the full and the ``--short`` sets."""
@@ -58,6 +62,8 @@ class Settings:
     e2e_policies: Optional[list[str]] = None  # None: every policy the case lists
     e2e_runs: int = 12
     e2e_warmup: bool = True
+    # Sections to run, in this order; scaling (section 4) comes with "release".
+    sections: list[str] = field(default_factory=lambda: list(SECTIONS))
 
 
 def settings(short: bool) -> Settings:
@@ -483,10 +489,12 @@ def run(config: Settings, search: list[Path] | None = None, progress: Callable[[
         stage("start_workers", bench.start_workers)
         report["meta"]["releases"] = bench.trees
         report["meta"]["workers_pinned_to_cpu"] = bench.pinned_cpu
-        report["release"] = stage("release", bench.release_section)
-        report["add_request"] = stage("add_request", bench.add_request_section)
-        report["e2e"] = stage("e2e", bench.e2e_section)
-        report["scaling"] = bench.scaling_section(report["release"])
+        sections = {"release": bench.release_section, "add_request": bench.add_request_section,
+                    "e2e": bench.e2e_section}
+        for name in config.sections:
+            report[name] = stage(name, sections[name])
+        if "release" in report:
+            report["scaling"] = bench.scaling_section(report["release"])
     finally:
         bench.close()
     report["meta"]["load_average_end"] = load_average()

@@ -82,14 +82,16 @@ def _deregister_reached_zero(allocator: Any, ids: torch.Tensor, reached_zero: to
     zero_ids = torch.unique(ids.masked_select(reached_zero))
     hashes = allocator.block_hashes.index_select(0, zero_ids).tolist()
     hash_map = allocator.kv_hash_to_block_id
-    saved_entries = {h: hash_map[h] for h in hashes if h in hash_map}
+    # The exact entries: two blocks can carry one hash and the map holds the last registered.
+    # zip/map loop in C: on a large release this snapshot is the main price of the rollback.
+    saved_entries = dict(zip(hashes, map(hash_map.get, hashes)))
     saved_avail = allocator.total_avail
     try:
         allocator._deregister_blocks(zero_ids)
     except BaseException:
         # _deregister_blocks pops hash-map entries, then resets hashes and ref counts, then
         # returns the blocks to the pool: put back whatever it got to.
-        hash_map.update(saved_entries)
+        hash_map.update((h, block) for h, block in saved_entries.items() if block is not None)
         allocator.block_hashes[zero_ids] = torch.tensor(hashes, dtype=allocator.block_hashes.dtype,
                                                        device=allocator.block_hashes.device)
         allocator.total_avail = saved_avail
