@@ -172,6 +172,9 @@ def probe_release_semantics(release: Callable) -> tuple[bool, str]:
         prefix_caching_eviction_policy=policy.REF_ZERO,
         block_ref_counts=torch.tensor([2, 0], dtype=torch.int32),
         block_hashes=torch.tensor([7, -1], dtype=torch.int64),
+        kv_hash_to_block_id={7: 0},
+        block_bag=torch.tensor([1, 0], dtype=torch.int32),
+        total_avail=1,
         _deregister_blocks=lambda ids: deregistered.append(ids.tolist()),
     )
     release(stand_in, torch.tensor([0, 0], dtype=torch.int32))
