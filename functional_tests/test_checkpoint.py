@@ -10,6 +10,7 @@ and loaded back through ``ab`` (``torch_dist`` format, CPU, gloo).
   all ranks agree), and loaded at TP=1 (dist-checkpointing reshards): every TP=1 parameter equals
   its slice of the stored global tensor; ``ab --load`` at TP=1 exits 0 and generates the same
   greedy tokens as the TP=2 run (log-probs within 0.05: another summation order in bf16).
+* PP=2 (opt-in, ``-m multirank``): the TP=1 checkpoint loaded on 2 pipeline stages.
 * Bad input (exit 2, message names the problem, no engine built): missing directory, empty
   directory, a checkpoint of a model with another hidden size; resolving a Megatron-LM save
   directory whose tracker file is broken or names a missing iteration, a legacy checkpoint.
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from functional_tests.test_multirank import assert_clean, torchrun, torchrun_ab, _tail
+from functional_tests.test_multirank import _tail, assert_clean, multirank_only, torchrun, torchrun_ab
 from megatron_ext import cli
 from megatron_ext.ab import run_ab
 from megatron_ext.cases import load_case
@@ -178,6 +179,20 @@ def test_tp2_checkpoint_loads_at_tp1(saved_tp2, loaded_at_tp2, tmp_path, capfd):
         other = at_tp2["baseline"]["outputs"][request_id]
         assert output["tokens"] == other["tokens"], f"request {request_id}: TP=1 and TP=2 tokens differ"
         assert max(abs(a - b) for a, b in zip(output["log_probs"], other["log_probs"])) < 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [pytest.param(1, 2, id="pp2", marks=multirank_only)])
+def test_tp1_checkpoint_loads_pipeline_parallel(saved_s1, tmp_path, tp, pp):
+    """Opt-in (``-m multirank``): the TP=1 checkpoint on pipeline stages; each stage reads its
+    layers, the first the embedding, the last the output layer; same tokens as TP=1."""
+    save, _ = saved_s1
+    code, output, result = torchrun_ab(tmp_path, tp=tp, pp=pp, extra=("--load", str(save)))
+    assert_clean(tp, pp, code, output, result)
+    assert result["weights"]["iteration"] == 7
+    reference = run_ab(seeded_case(S1))
+    for request_id, out in result["baseline"]["outputs"].items():
+        assert out["tokens"] == reference.baseline.outputs[int(request_id)].tokens, request_id
 
 
 # ---------------------------------------------------------------------------------- bad input
