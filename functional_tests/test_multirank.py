@@ -42,13 +42,24 @@ multirank_only = [
 
 
 
-def torchrun_ab(tmp_path: Path, tp: int, pp: int, case: str = "rl_rollouts") -> tuple[int, str, dict | None]:
+def torchrun_ab(tmp_path: Path, tp: int, pp: int, case: str = "rl_rollouts",
+                extra: tuple[str, ...] = ()) -> tuple[int, str, dict | None]:
     """Run ``ab`` on ``tp * pp`` CPU ranks; return (exit code, output, JSON or None)."""
     out = tmp_path / f"{case}-tp{tp}-pp{pp}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp * pp),
-           "-m", "megatron_ext", "ab", "--case", case, "--no-progress", "--width", "160",
-           "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-           "--json", str(out)]
+    code, output = torchrun(tp * pp, ["ab", "--case", case, "--no-progress", "--width", "160",
+                                      "--tensor-model-parallel-size", str(tp),
+                                      "--pipeline-model-parallel-size", str(pp),
+                                      "--json", str(out), *extra],
+                            label=f"TP={tp} PP={pp} {case}")
+    return code, output, json.loads(out.read_text()) if out.exists() else None
+
+
+def torchrun(nproc: int, args: list[str], label: str) -> tuple[int, str]:
+    """``torchrun --standalone --nproc-per-node NPROC -m megatron_ext ARGS``; (exit code, output).
+
+    Fails the test with the output tail if it runs past ``TIMEOUT_S`` (the ranks are killed)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "megatron_ext", *args]
     env = {**os.environ, "MEGATRON_EXT_DIST_TIMEOUT_S": os.environ.get("MEGATRON_EXT_DIST_TIMEOUT_S", "120")}
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -59,14 +70,14 @@ def torchrun_ab(tmp_path: Path, tp: int, pp: int, case: str = "rl_rollouts") -> 
         output, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         output = _stop(proc)
-        pytest.fail(f"torchrun TP={tp} PP={pp} {case}: no result after {TIMEOUT_S:.0f} s (hung rank?); "
+        pytest.fail(f"torchrun {label}: no result after {TIMEOUT_S:.0f} s (hung rank?); "
                     f"output tail:\n{_tail(output)}")
     finally:
         signal.signal(signal.SIGTERM, previous)
         if proc.poll() is None:
             _stop(proc)
-    print(f"torchrun TP={tp} PP={pp} {case}: exit {proc.returncode} after {time.monotonic() - started:.0f} s")
-    return proc.returncode, output, json.loads(out.read_text()) if out.exists() else None
+    print(f"torchrun {label}: exit {proc.returncode} after {time.monotonic() - started:.0f} s")
+    return proc.returncode, output
 
 
 def _interrupt(signum, frame):

@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 from . import mcore
 from .api import apply, revert
 from .cases import Case, plan_requests
+from .checkpoint import CheckpointSource, PathLike, load_checkpoint
 from .compare import RequestDiff, compare_runs
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .engine import build_engine, build_model, ensure_model_parallel
@@ -52,6 +53,21 @@ class ABResult:
     wall_s: float = 0.0
     #: multi-rank runs: every rank's verdict (:func:`megatron_ext.distributed.rank_verdict`)
     ranks: list[dict] = field(default_factory=list)
+    #: the checkpoint both A and B ran with (``--load``); None: seeded random weights
+    checkpoint: Optional[CheckpointSource] = None
+
+    def weights(self) -> dict[str, Any]:
+        """Where the weights came from: ``{"source": "checkpoint", "requested", "path",
+        "iteration", "backend"}`` or ``{"source": "seeded random", "seed"}``."""
+        if self.checkpoint is not None:
+            return {"source": "checkpoint", **self.checkpoint.as_json()}
+        return {"source": "seeded random", "seed": self.case.model.seed}
+
+    def describe_weights(self) -> str:
+        """One line for the report."""
+        if self.checkpoint is not None:
+            return f"weights: checkpoint {self.checkpoint.describe()}"
+        return f"weights: seeded random (seed {self.case.model.seed}; --load DIR to use a checkpoint)"
 
     @property
     def bit_identical(self) -> bool:
@@ -115,6 +131,7 @@ class ABResult:
             "blocks_matched": sum(p.run.counters.get("blocks_matched", 0) for p in self.policies),
             "megatron_core_version": self.megatron_core_version,
             "device": self.device,
+            "weights": self.weights(),
             "patches": self.patches,
             "batch_invariance_check": {"ok": self.invariance[0], "detail": self.invariance[1]},
             "wall_s": round(self.wall_s, 3),
@@ -184,6 +201,7 @@ def run_ab(
     on_step: Optional[Callable[[int], None]] = None,
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
+    load: Union[PathLike, CheckpointSource, None] = None,
 ) -> ABResult:
     """Run A (caching off) and B (caching on, per policy) and compare.
 
@@ -194,9 +212,13 @@ def run_ab(
         on_step: called after every engine step of every run (progress bars).
         tensor_model_parallel_size, pipeline_model_parallel_size: megatron-core's model-parallel
             layout (under torchrun; every rank calls run_ab and gets every rank's verdict).
+        load: a Megatron distributed checkpoint (or Megatron-LM save directory) loaded into the
+            model after it is built from ``case.model`` and before any engine run; A and B both
+            use these weights (:func:`megatron_ext.checkpoint.load_checkpoint`).
 
     Raises:
-        MegatronCoreNotFoundError, CaseFileError (prompt too long), EngineStuckError, RuntimeError;
+        MegatronCoreNotFoundError, CaseFileError (prompt too long), CheckpointError (``load``:
+        missing, not a checkpoint, architecture mismatch), EngineStuckError, RuntimeError;
         multi-rank: RankFailedError when megatron-core raised mid-run on this rank (the ranks are
         out of lockstep then; single-rank runs record the error in the result instead).
     """
@@ -207,8 +229,10 @@ def run_ab(
     with backend(device) as invariance:
         ensure_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
         model = build_model(case)
+        checkpoint = None if load is None else load_checkpoint(model, load, case.name)
         baseline = _one_run(model, case, planned, False, case.prefix_caching_eviction_policies[0], on_step)
-        result = ABResult(case, mcore.installed_version(), device, patches, invariance, baseline)
+        result = ABResult(case, mcore.installed_version(), device, patches, invariance, baseline,
+                          checkpoint=checkpoint)
         for policy in case.prefix_caching_eviction_policies:
             run = _one_run(model, case, planned, True, policy, on_step)
             result.policies.append(PolicyResult(policy, run, compare_runs(baseline.outputs, run.outputs)))

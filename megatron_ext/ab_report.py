@@ -60,6 +60,7 @@ def print_report(result: ABResult, console: Console) -> None:
     applied = ", ".join(f"{p['patch']}: {p['state']}" for p in result.patches)
     console.print(f"megatron-core {result.megatron_core_version} on {result.device}; patches: {applied}")
     ok, detail = result.invariance
+    console.print(result.describe_weights())
     console.print(f"batch-invariance self-check: {'ok' if ok else '[bold red]FAILED[/]'} ({detail})")
     for policy in result.policies:
         console.print(request_table(result, policy))
@@ -74,8 +75,9 @@ def print_report(result: ABResult, console: Console) -> None:
         for failure in failures:
             console.print(f"  - {failure}")
     else:
+        weights = "" if result.checkpoint is None else f" (weights from {result.checkpoint.path})"
         console.print(f"[bold green]PASS[/]: {len(result.baseline.outputs)} requests bit-identical with "
-                      f"prefix caching on and off; every audit holds ({result.wall_s:.1f} s)")
+                      f"prefix caching on and off{weights}; every audit holds ({result.wall_s:.1f} s)")
 
 
 def write_plot(result: ABResult, path: Path) -> None:

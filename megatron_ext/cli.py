@@ -68,23 +68,26 @@ def cmd_ab(args: argparse.Namespace) -> int:
         print("\n".join(shipped_cases()))
         return 0
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if tp < 1 or pp < 1 or tp * pp != world_size:
-        print(f"megatron-ext: error: --tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
-              f"{pp} needs {tp * pp} ranks, but WORLD_SIZE is {world_size}; launch with "
-              f"'torchrun --nproc-per-node {max(tp * pp, 1)} -m megatron_ext ab ...'", file=sys.stderr)
+    rank, world_size = _world()
+    if not _layout_fits(tp, pp, "ab"):
         return 2
     if world_size > 1 and args.device != "cpu":
         print("megatron-ext: error: multi-rank ab runs CPU ranks over gloo; --device cuda is "
               "single-rank only", file=sys.stderr)
         return 2
     case = load_case(args.case)
+    checkpoint = None
+    if args.load is not None:  # a bad path fails here, before the model or any engine is built
+        from .checkpoint import resolve_checkpoint
+
+        checkpoint = resolve_checkpoint(args.load)
     try:
         with tqdm(desc=f"{case.name}: engine steps", unit="step", leave=False,
                   disable=args.no_progress or rank != 0) as bar:
             result = run_ab(case, patched=not args.unpatched, device=args.device,
                             on_step=lambda _step: bar.update(1),
-                            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+                            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            load=checkpoint)
     except Exception as exc:  # noqa: BLE001 - multi-rank: name the rank, exit non-zero
         if world_size == 1 or isinstance(exc, MegatronExtError):
             raise
@@ -105,6 +108,50 @@ def cmd_ab(args: argparse.Namespace) -> int:
         if args.plot:
             write_plot(result, Path(args.plot))
     return result.exit_code()
+
+
+def _world() -> tuple[int, int]:
+    """``(RANK, WORLD_SIZE)`` as torchrun sets them; ``(0, 1)`` without torchrun."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _layout_fits(tp: int, pp: int, command: str) -> bool:
+    """Whether TP x PP equals the number of ranks; prints the fix on stderr when it does not."""
+    world_size = _world()[1]
+    if tp < 1 or pp < 1 or tp * pp != world_size:
+        print(f"megatron-ext: error: --tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
+              f"{pp} needs {tp * pp} ranks, but WORLD_SIZE is {world_size}; launch with "
+              f"'torchrun --nproc-per-node {max(tp * pp, 1)} -m megatron_ext {command} ...'", file=sys.stderr)
+        return False
+    return True
+
+
+def cmd_save_checkpoint(args: argparse.Namespace) -> int:
+    """Save the case's seeded model as a megatron-core distributed checkpoint (torch_dist).
+
+    The model is built exactly as ``ab`` builds it (same case model section, same seed unless
+    ``--seed``), on CPU ranks; under torchrun each rank writes its TP/PP shards.
+    """
+    from .cases import load_case
+    from .checkpoint import save_checkpoint
+    from .cpu_backend import cpu_backend
+    from .engine import build_model, ensure_model_parallel
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if not _layout_fits(tp, pp, "save-checkpoint"):
+        return 2
+    case = load_case(args.case)
+    if args.seed is not None:
+        case = case.model_copy(update={"model": case.model.model_copy(update={"seed": args.seed})})
+    with cpu_backend():
+        ensure_model_parallel(tp, pp)
+        model = build_model(case)
+        path = save_checkpoint(model, args.directory)
+    if _world()[0] == 0:
+        print(f"saved the model of case '{case.name}' (seed {case.model.seed}, "
+              f"{case.model.params_dtype}, TP={tp} PP={pp}) to {path} (torch_dist); "
+              f"use it with: megatron-ext ab --case {args.case} --load {path}")
+    return 0
 
 
 def cmd_patch_source(args: argparse.Namespace) -> int:
@@ -136,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_ab = sub.add_parser(
         "ab", help="prefix caching off vs on through megatron-core's dynamic engine, bit for bit",
         description="Exit codes: 0 bit-identical and every audit holds; 1 divergence, audit "
-        "violation or unmet expectation; 2 bad input; 3 platform not batch-invariant. Multi-rank: "
+        "violation or unmet expectation; 2 bad input (case file, --load checkpoint); 3 platform not batch-invariant. Multi-rank: "
         "'torchrun --nproc-per-node T*P -m megatron_ext ab --tensor-model-parallel-size T "
         "--pipeline-model-parallel-size P'; every rank runs the audits, rank 0 reports (and writes "
         "--json/--plot), every rank exits non-zero if any rank failed.")
@@ -152,10 +199,30 @@ def build_parser() -> argparse.ArgumentParser:
                       "CPU ranks over gloo)")
     p_ab.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="P",
                       help="megatron-core pipeline parallel size (T x P ranks)")
+    p_ab.add_argument("--load", metavar="DIR",
+                      help="load the weights from a Megatron distributed checkpoint (torch_dist) or a "
+                      "Megatron-LM save directory (latest_checkpointed_iteration.txt -> iter_NNNNNNN/) "
+                      "after building the case's model; its model section must match the checkpoint. "
+                      "Any TP/PP layout loads any other (dist-checkpointing reshards)")
     p_ab.add_argument("--list-cases", action="store_true", help="print the shipped case names")
     p_ab.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_ab.add_argument("--width", type=int, default=None, help="table width in columns")
     p_ab.set_defaults(func=cmd_ab)
+
+    p_save = sub.add_parser(
+        "save-checkpoint", help="save the case's seeded model as a Megatron distributed checkpoint",
+        description="Builds the model exactly as 'ab' does (the case's model section and seed) and "
+        "saves it with megatron-core's dist_checkpointing.save (torch_dist format) into DIR (new or "
+        "empty), e.g. a fixture for 'ab --load DIR'. Multi-rank: 'torchrun --nproc-per-node T*P -m "
+        "megatron_ext save-checkpoint DIR --tensor-model-parallel-size T "
+        "--pipeline-model-parallel-size P'. Needs psutil (megatron-core's writer).")
+    p_save.add_argument("directory", metavar="DIR", help="where to save (created; must be empty)")
+    p_save.add_argument("--case", default="rl_rollouts",
+                        help="shipped case name or case YAML whose model is saved (default: rl_rollouts)")
+    p_save.add_argument("--seed", type=int, default=None, help="weights seed (default: the case's model.seed)")
+    p_save.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T")
+    p_save.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="P")
+    p_save.set_defaults(func=cmd_save_checkpoint)
 
     p_src = sub.add_parser(
         "patch-source", help="apply the source patches (patches/) to a megatron-core tree",
