@@ -50,7 +50,7 @@ def release_blocks_per_occurrence(allocator: Any, blocks: torch.Tensor) -> None:
     stays cached if it has a hash, and goes back to the free pool if it has none.
 
     Cost: one accumulating scatter, one gather and one host sync when no block reaches zero;
-    ``torch.unique`` runs only over the blocks that reached zero (see the issue-7 benchmark).
+    only the IDs that reached zero are deduplicated, in linear time (see ``scripts/bench.py``).
 
     Raises:
         RefCountUnderflowError: some block would drop below zero. Nothing is changed.
@@ -79,19 +79,18 @@ def release_blocks_per_occurrence(allocator: Any, blocks: torch.Tensor) -> None:
 
 def _deregister_reached_zero(allocator: Any, ids: torch.Tensor, reached_zero: torch.Tensor) -> None:
     """REF_ZERO: deregister each block that reached zero once; on any error, restore the books."""
-    zero_ids = torch.unique(ids.masked_select(reached_zero))
+    zero_ids = _distinct(allocator, ids.masked_select(reached_zero))
     hashes = allocator.block_hashes.index_select(0, zero_ids).tolist()
     hash_map = allocator.kv_hash_to_block_id
     # The exact entries: two blocks can carry one hash and the map holds the last registered.
-    # zip/map loop in C: on a large release this snapshot is the main price of the rollback.
-    saved_entries = dict(zip(hashes, map(hash_map.get, hashes)))
+    saved_entries = {h: hash_map[h] for h in hashes if h in hash_map}
     saved_avail = allocator.total_avail
     try:
         allocator._deregister_blocks(zero_ids)
     except BaseException:
         # _deregister_blocks pops hash-map entries, then resets hashes and ref counts, then
         # returns the blocks to the pool: put back whatever it got to.
-        hash_map.update((h, block) for h, block in saved_entries.items() if block is not None)
+        hash_map.update(saved_entries)
         allocator.block_hashes[zero_ids] = torch.tensor(hashes, dtype=allocator.block_hashes.dtype,
                                                        device=allocator.block_hashes.device)
         allocator.total_avail = saved_avail
@@ -107,7 +106,7 @@ def _free_unhashed_reached_zero(allocator: Any, ids: torch.Tensor, reached_zero:
         return
     saved_avail = allocator.total_avail
     try:
-        unhashed = torch.unique(unhashed).to(allocator.block_bag.dtype)
+        unhashed = _distinct(allocator, unhashed).to(allocator.block_bag.dtype)
         freed = unhashed.numel()
         allocator.block_bag[saved_avail : saved_avail + freed] = unhashed
         allocator.total_avail = saved_avail + freed
@@ -117,7 +116,42 @@ def _free_unhashed_reached_zero(allocator: Any, ids: torch.Tensor, reached_zero:
         raise
 
 
+#: Attribute kept on the allocator: an int32 scratch tensor, one slot per block (see _distinct).
+_SCRATCH_ATTR = "_megatron_ext_dedupe_scratch"
+_LINEAR_DEDUPE_FROM = 1536
 _ONES: dict[tuple, torch.Tensor] = {}
+_POSITIONS: dict[torch.device, torch.Tensor] = {}
+
+
+def _distinct(allocator: Any, ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` (1-D block IDs, shape ``[n]``) with repeats dropped, in no particular order.
+
+    Short inputs go through ``torch.unique``. From ``_LINEAR_DEDUPE_FROM`` IDs on, a linear pass
+    replaces its sort: every occurrence scatters its position into a per-block scratch slot and
+    the occurrence whose position survived is kept (one per block, whichever write won). Measured
+    on the CPU (one thread): unique 25 µs at 1 ID, 54 µs at 1,024, 203 µs at 4,096; the linear
+    pass 69, 81 and 105 µs (four ops, each ~15 µs of dispatch).
+    """
+    if ids.numel() < _LINEAR_DEDUPE_FROM:
+        return torch.unique(ids)
+    block_count = allocator.block_ref_counts.numel()
+    device = allocator.block_ref_counts.device
+    scratch = allocator.__dict__.get(_SCRATCH_ATTR)
+    if scratch is None or scratch.numel() != block_count or scratch.device != device:
+        scratch = torch.empty(block_count, dtype=torch.int32, device=device)
+        allocator.__dict__[_SCRATCH_ATTR] = scratch
+    positions = _positions(device, ids.numel())
+    index = ids.to(torch.int64)
+    scratch.scatter_(0, index, positions)
+    return ids.masked_select(scratch.index_select(0, index) == positions)
+
+
+def _positions(device: torch.device, length: int) -> torch.Tensor:
+    """``arange(length)`` (int32) on ``device``, a view of a cached tensor grown as needed."""
+    cached = _POSITIONS.get(device)
+    if cached is None or cached.numel() < length:
+        cached = _POSITIONS[device] = torch.arange(max(length, 4096), dtype=torch.int32, device=device)
+    return cached[:length]
 
 
 def _ones(ref_counts: torch.Tensor, sign: int, length: int) -> torch.Tensor:
