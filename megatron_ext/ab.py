@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 from . import mcore
 from .api import apply, revert
 from .cases import Case, plan_requests
-from .compare import RequestDiff, compare_runs
+from .compare import RequestDiff, RequestOutput, compare_runs
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .engine import build_engine, build_model, ensure_model_parallel
 from .harness import RunRecord, drive
@@ -139,6 +139,7 @@ def _run_json(run: RunRecord) -> dict[str, Any]:
         "steps": run.steps,
         "wall_s": round(run.wall_s, 3),
         "counters": run.counters,
+        "pressure": run.pressure,
         "audit": run.audit,
         "outputs": {rid: {"label": o.label, "tokens": o.tokens, "log_probs": o.log_probs,
                           "token_steps": o.token_steps} for rid, o in run.outputs.items()},
@@ -225,5 +226,8 @@ def _one_run(model, case, planned, prefix_caching, policy, on_step) -> RunRecord
     drive(engine, context, case, planned, record, on_step)
     if record.error and is_multi_rank():  # this rank left the lockstep: it cannot go on
         raise rank_failed(policy if prefix_caching else "caching off", record.error)
+    for request in planned:  # a run that megatron-core ended early: requests never added produced nothing
+        record.outputs.setdefault(request.request_id, RequestOutput(
+            request.request_id, request.label, len(request.prompt_tokens)))
     record.wall_s = time.perf_counter() - started
     return record

@@ -216,8 +216,12 @@ def parse_case(text: str, source: str = "<string>") -> Case:
     try:
         return Case.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"field '{'.'.join(str(p) for p in err['loc']) or '<top>'}': {err['msg']}"
-            for err in exc.errors()
-        )
-        raise CaseFileError(f"{source}: {problems}") from None
+        raise CaseFileError(f"{source}: {describe_validation_error(exc)}") from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """``field 'requests.0.samples': <pydantic's message>; ...`` for every error in ``exc``."""
+    return "; ".join(
+        f"field '{'.'.join(str(p) for p in err['loc']) or '<top>'}': {err['msg']}"
+        for err in exc.errors()
+    )
