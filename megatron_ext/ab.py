@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from . import mcore
 from .api import apply, revert
-from .cases import Case, plan_requests
+from .cases import Case, plan_requests, validate_planned
 from .compare import RequestDiff, RequestOutput, compare_runs
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .engine import build_engine, build_model, ensure_model_parallel
@@ -197,12 +197,14 @@ def run_ab(
             layout (under torchrun; every rank calls run_ab and gets every rank's verdict).
 
     Raises:
-        MegatronCoreNotFoundError, CaseFileError (prompt too long), EngineStuckError, RuntimeError;
+        MegatronCoreNotFoundError, CaseFileError (prompt too long or empty), WorkloadError (see
+        :func:`megatron_ext.cases.validate_planned`), EngineStuckError, RuntimeError;
         multi-rank: RankFailedError when megatron-core raised mid-run on this rank (the ranks are
         out of lockstep then; single-rank runs record the error in the result instead).
     """
     started = time.perf_counter()
     planned = plan_requests(case, ByteTokenizer())
+    validate_planned(planned)  # bad input is refused before anything is built
     patch_results = apply() if patched else revert()
     patches = [r.as_dict() for r in patch_results]
     with backend(device) as invariance:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from . import mcore
 from .audit import ContextAudit
-from .cases import Case, PlannedRequest
+from .cases import Case, PlannedRequest, validate_planned
 from .compare import RequestOutput
 
 #: A run that has not drained after this many engine steps per request is declared stuck.
@@ -101,8 +101,11 @@ def drive(
     with the innermost megatron-core frame); the audit results up to that step are kept.
 
     Raises:
+        WorkloadError: a zero-token prompt or a repeated request ID in ``planned`` (checked before
+            the engine or context is touched).
         EngineStuckError: more than ``MAX_STEPS_PER_REQUEST * len(planned)`` steps.
     """
+    validate_planned(planned)
     audit = ContextAudit(context, check_ref_counts=context.enable_prefix_caching).attach()
     waiting = deque(planned)
     live: set[int] = set()
