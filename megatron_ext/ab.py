@@ -87,7 +87,10 @@ class ABResult:
         for p in self.policies:
             if expect.bit_identical and not p.bit_identical:
                 bad = [d.label for d in p.diffs if not d.identical]
-                problems.append(f"{p.policy}: {len(bad)} requests differ with caching on vs off: {', '.join(bad[:6])}")
+                never_ran = sum(1 for d in p.diffs if not d.identical and not p.run.outputs[d.request_id].tokens)
+                why = f" ({never_ran} never ran: the run ended early)" if p.run.error and never_ran else ""
+                problems.append(f"{p.policy}: {len(bad)} requests differ with caching on vs off{why}: "
+                                f"{', '.join(bad[:6])}")
             if p.run.counters.get("blocks_matched", 0) < expect.min_blocks_matched:
                 problems.append(f"{p.policy}: only {p.run.counters.get('blocks_matched', 0)} blocks "
                                 f"matched, case expects >= {expect.min_blocks_matched}")
