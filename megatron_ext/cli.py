@@ -112,17 +112,17 @@ def cmd_soak(args: argparse.Namespace) -> int:
     exit codes as ``ab``."""
     from pathlib import Path
 
-    import yaml
     from tqdm import tqdm
 
     from .ab import run_ab
     from .ab_report import print_report
+    from .cases import dump_case
     from .soak import soak_case, soak_summary
 
     case = soak_case(args.requests, args.seed, args.policy or ("ref_zero", "lru"),
                      chunked_prefill=not args.no_chunked_prefill)
     if args.dump_case:
-        Path(args.dump_case).write_text(yaml.safe_dump(case.model_dump(), sort_keys=False, width=200))
+        Path(args.dump_case).write_text(dump_case(case))
     with tqdm(desc=f"{case.name}: engine steps", unit="step", leave=False, disable=args.no_progress) as bar:
         result = run_ab(case, patched=not args.unpatched, on_step=lambda _step: bar.update(1))
     console = Console(width=args.width)

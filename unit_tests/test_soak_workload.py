@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.cases import CaseFileError, plan_requests
+from megatron_ext.cases import CaseFileError, dump_case, load_case, plan_requests
 from megatron_ext.soak import MAX_PROMPT_TOKENS, SOAK_INFERENCE, soak_case
 from megatron_ext.tokenizer import ByteTokenizer
 
@@ -54,3 +54,10 @@ def test_bad_arguments_are_refused():
         soak_case(0)
     with pytest.raises(CaseFileError, match="soak: field 'prefix_caching_eviction_policies.0'"):
         soak_case(10, policies=["fifo"])
+
+
+def test_dumped_case_file_loads_as_the_same_case(tmp_path):
+    case = soak_case(60, seed=2)
+    path = tmp_path / "soak.yaml"
+    path.write_text(dump_case(case))
+    assert load_case(str(path)) == case

@@ -258,6 +258,11 @@ def load_case(name_or_path: str) -> Case:
     return parse_case(text, source)
 
 
+def dump_case(case: Case) -> str:
+    """A case as case-file YAML; :func:`parse_case` of it gives an equal case."""
+    return yaml.safe_dump(case.model_dump(), sort_keys=False, width=200)
+
+
 def parse_case(text: str, source: str = "<string>") -> Case:
     """Validate YAML text as a :class:`Case`. Raises CaseFileError naming the bad field."""
     try:
