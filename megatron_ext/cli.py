@@ -154,6 +154,13 @@ def cmd_patch_source(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-ext",
@@ -197,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         "that pauses requests and makes LRU evict) and runs it as 'ab' does: caching off once, on "
         "once per policy. Exit codes as 'ab'. Cost on one CPU core: about 0.3 s per request for the "
         "caching-off run and 0.2 s per caching-on run (2000 requests, both policies: 15-20 minutes).")
-    p_soak.add_argument("--requests", type=int, default=2000, metavar="N",
+    p_soak.add_argument("--requests", type=_positive_int, default=2000, metavar="N",
                         help="engine requests to generate (default: 2000)")
     p_soak.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     p_soak.add_argument("--policy", action="append", choices=("ref_zero", "lru"),
