@@ -14,9 +14,9 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 from . import mcore
 from .api import apply, revert
-from .cases import Case, plan_requests
+from .cases import Case, plan_requests, validate_planned
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint
-from .compare import RequestDiff, compare_runs
+from .compare import RequestDiff, RequestOutput, compare_runs
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .engine import build_engine, build_model, ensure_model_parallel
 from .harness import RunRecord, drive
@@ -103,7 +103,10 @@ class ABResult:
         for p in self.policies:
             if expect.bit_identical and not p.bit_identical:
                 bad = [d.label for d in p.diffs if not d.identical]
-                problems.append(f"{p.policy}: {len(bad)} requests differ with caching on vs off: {', '.join(bad[:6])}")
+                never_ran = sum(1 for d in p.diffs if not d.identical and not p.run.outputs[d.request_id].tokens)
+                why = f" ({never_ran} never ran: the run ended early)" if p.run.error and never_ran else ""
+                problems.append(f"{p.policy}: {len(bad)} requests differ with caching on vs off{why}: "
+                                f"{', '.join(bad[:6])}")
             if p.run.counters.get("blocks_matched", 0) < expect.min_blocks_matched:
                 problems.append(f"{p.policy}: only {p.run.counters.get('blocks_matched', 0)} blocks "
                                 f"matched, case expects >= {expect.min_blocks_matched}")
@@ -156,6 +159,7 @@ def _run_json(run: RunRecord) -> dict[str, Any]:
         "steps": run.steps,
         "wall_s": round(run.wall_s, 3),
         "counters": run.counters,
+        "pressure": run.pressure,
         "audit": run.audit,
         "outputs": {rid: {"label": o.label, "tokens": o.tokens, "log_probs": o.log_probs,
                           "token_steps": o.token_steps} for rid, o in run.outputs.items()},
@@ -217,13 +221,15 @@ def run_ab(
             use these weights (:func:`megatron_ext.checkpoint.load_checkpoint`).
 
     Raises:
-        MegatronCoreNotFoundError, CaseFileError (prompt too long), CheckpointError (``load``:
-        missing, not a checkpoint, architecture mismatch), EngineStuckError, RuntimeError;
+        MegatronCoreNotFoundError, CaseFileError (prompt too long or empty), WorkloadError (see
+        :func:`megatron_ext.cases.validate_planned`), CheckpointError (``load``: missing, not a
+        checkpoint, architecture mismatch), EngineStuckError, RuntimeError;
         multi-rank: RankFailedError when megatron-core raised mid-run on this rank (the ranks are
         out of lockstep then; single-rank runs record the error in the result instead).
     """
     started = time.perf_counter()
     planned = plan_requests(case, ByteTokenizer())
+    validate_planned(planned)  # bad input is refused before anything is built
     patch_results = apply() if patched else revert()
     patches = [r.as_dict() for r in patch_results]
     with backend(device) as invariance:
@@ -249,5 +255,8 @@ def _one_run(model, case, planned, prefix_caching, policy, on_step) -> RunRecord
     drive(engine, context, case, planned, record, on_step)
     if record.error and is_multi_rank():  # this rank left the lockstep: it cannot go on
         raise rank_failed(policy if prefix_caching else "caching off", record.error)
+    for request in planned:  # a run that megatron-core ended early: requests never added produced nothing
+        record.outputs.setdefault(request.request_id, RequestOutput(
+            request.request_id, request.label, len(request.prompt_tokens)))
     record.wall_s = time.perf_counter() - started
     return record

@@ -14,13 +14,18 @@ def _yes_no(value: bool) -> str:
     return "[green]yes[/]" if value else "[bold red]NO[/]"
 
 
-def request_table(result: ABResult, policy: PolicyResult) -> Table:
-    """One row per request: equality, first divergence, max |delta log-prob|."""
-    table = Table(title=f"{result.case.name}: caching off (A) vs on (B), eviction policy {policy.policy}")
+def request_table(result: ABResult, policy: PolicyResult, only_divergent: bool = False) -> Table:
+    """One row per request (per divergent request with ``only_divergent``): equality, first
+    divergence, max |delta log-prob|."""
+    shown = [d for d in policy.diffs if not (only_divergent and d.identical)]
+    title = f"{result.case.name}: caching off (A) vs on (B), eviction policy {policy.policy}"
+    if only_divergent:
+        title += f": {len(shown)} of {len(policy.diffs)} requests differ"
+    table = Table(title=title)
     for column in ("request", "id", "tokens equal", "log-probs equal", "first divergent step",
                    "first divergent token", "max |Δ log-prob|"):
         table.add_column(column, justify="right" if column != "request" else "left")
-    for diff in policy.diffs:
+    for diff in shown:
         table.add_row(
             diff.label, str(diff.request_id), _yes_no(diff.tokens_equal), _yes_no(diff.log_probs_equal),
             "-" if diff.first_divergent_step is None else str(diff.first_divergent_step),
@@ -51,20 +56,37 @@ def summary_table(result: ABResult) -> Table:
     return table
 
 
+def pressure_table(result: ABResult) -> Table:
+    """Per run: how hard it pressed on the KV pool (see ``ContextAudit.summary``)."""
+    table = Table(title="KV pool pressure")
+    for column in ("run", "pool blocks", "peak held", "peak not free", "peak paused", "requests paused",
+                   "requests evicted", "cached blocks evicted (LRU)", "deregistered at ref 0"):
+        table.add_column(column, justify="right" if column != "run" else "left")
+    runs = [("A: caching off", result.baseline)] + [(f"B: caching on, {p.policy}", p.run) for p in result.policies]
+    for name, run in runs:
+        table.add_row(name, *(str(run.pressure.get(k, 0)) for k in (
+            "total_blocks", "peak_blocks_held", "peak_blocks_not_free", "peak_paused_requests",
+            "requests_paused", "requests_evicted", "cached_blocks_evicted", "blocks_deregistered_at_ref_zero")))
+    return table
+
+
 def _count(n: int) -> str:
     return "0" if n == 0 else f"[bold red]{n}[/]"
 
 
-def print_report(result: ABResult, console: Console) -> None:
-    """The whole human report: header, tables, audit examples, verdict."""
+def print_report(result: ABResult, console: Console, only_divergent: bool = False) -> None:
+    """The whole human report: header, tables, audit examples, verdict. ``only_divergent``: list
+    only the requests that differ (soaks of thousands of requests)."""
     applied = ", ".join(f"{p['patch']}: {p['state']}" for p in result.patches)
     console.print(f"megatron-core {result.megatron_core_version} on {result.device}; patches: {applied}")
     ok, detail = result.invariance
     console.print(result.describe_weights())
     console.print(f"batch-invariance self-check: {'ok' if ok else '[bold red]FAILED[/]'} ({detail})")
     for policy in result.policies:
-        console.print(request_table(result, policy))
+        if not (only_divergent and policy.bit_identical):
+            console.print(request_table(result, policy, only_divergent))
     console.print(summary_table(result))
+    console.print(pressure_table(result))
     for run in [result.baseline] + [p.run for p in result.policies]:
         for kind, lines in run.audit.get("examples", {}).items():
             for line in lines:

@@ -9,6 +9,10 @@
   owners (block tables of active, paused and mid-chunked-prefill requests), free IDs are unique and
   hold neither owners nor hashes; at drain every block is free or cached with ref count 0.
 
+Besides the audits it measures how hard the run pressed on the KV pool (:attr:`ContextAudit.pressure`):
+peak blocks held by live requests, peak blocks outside the free pool, paused requests, and cached
+blocks evicted (LRU) or deregistered (both policies).
+
 The audit attaches instance-level wrappers (the engine calls ``context.add_request`` and the
 attention layer ``context.append_key_value_cache``), so it stacks on top of whatever class-level
 code is installed (patched or not) and is removed with :meth:`ContextAudit.detach`.
@@ -52,6 +56,7 @@ class ContextAudit:
             step, request and block, not once per layer or token).
         kv_writes_checked: number of (token, layer) KV writes inspected.
         steps_checked: number of ref-count checks performed.
+        pressure: KV pool pressure measured after every step, all ints (see :meth:`summary`).
     """
 
     context: Any
@@ -62,8 +67,11 @@ class ContextAudit:
     steps_checked: int = 0
     matched_blocks: dict[int, set[int]] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
+    pressure: Counter = field(default_factory=Counter)
     _seen: set[tuple] = field(default_factory=set)
     _allocated_in_call: list[int] = field(default_factory=list)
+    _paused_ids: set[int] = field(default_factory=set)
+    _in_lru_eviction: bool = False
 
     # -- wiring ---------------------------------------------------------------------------------
 
@@ -98,11 +106,30 @@ class ContextAudit:
         ctx.add_request = audited_add_request
         ctx.append_key_value_cache = audited_append
         allocator.allocate_memory_blocks = audited_allocate
+        if hasattr(allocator, "_deregister_blocks"):  # prefix caching on: count evictions
+            deregister, evict = allocator._deregister_blocks, allocator.evict_lru_blocks
+
+            def counted_deregister(block_ids, *args, **kwargs):
+                key = "cached_blocks_evicted" if self._in_lru_eviction else "blocks_deregistered_at_ref_zero"
+                self.pressure[key] += int(block_ids.numel())
+                return deregister(block_ids, *args, **kwargs)
+
+            def counted_evict(num_blocks_needed, *args, **kwargs):
+                self._in_lru_eviction = True
+                try:
+                    return evict(num_blocks_needed, *args, **kwargs)
+                finally:
+                    self._in_lru_eviction = False
+
+            allocator._deregister_blocks = counted_deregister
+            allocator.evict_lru_blocks = counted_evict
         return self
 
     def detach(self) -> None:
+        allocator = self.context.kv_block_allocator
         for owner, name in ((self.context, "add_request"), (self.context, "append_key_value_cache"),
-                            (self.context.kv_block_allocator, "allocate_memory_blocks")):
+                            (allocator, "allocate_memory_blocks"), (allocator, "_deregister_blocks"),
+                            (allocator, "evict_lru_blocks")):
             owner.__dict__.pop(name, None)
 
     # -- KV write audit -------------------------------------------------------------------------
@@ -167,11 +194,12 @@ class ContextAudit:
 
     def end_step(self) -> None:
         """Check ref counts against live owners and the free pool; then advance the step."""
+        owners = self.owner_counts()
+        self._note_pressure(owners)
         if not self.check_ref_counts:
             self.step += 1
             return
         allocator = self.context.kv_block_allocator
-        owners = self.owner_counts()
         ref_counts = allocator.block_ref_counts.tolist()
         for block in range(allocator.dummy_block_idx):
             if ref_counts[block] != owners.get(block, 0):
@@ -181,6 +209,21 @@ class ContextAudit:
         self._check_free_pool(owners)
         self.steps_checked += 1
         self.step += 1
+
+    def _note_pressure(self, owners: Counter) -> None:
+        """Peak pool use and paused requests after this step (see :meth:`summary`)."""
+        ctx, allocator = self.context, self.context.kv_block_allocator
+        usable = int(allocator.total_count) - 1  # the dummy block is never handed out
+        peak = self.pressure
+        peak["total_blocks"] = usable
+        peak["peak_blocks_held"] = max(peak["peak_blocks_held"], len(owners))
+        peak["peak_blocks_not_free"] = max(peak["peak_blocks_not_free"], usable - int(allocator.total_avail))
+        paused = int(ctx.paused_request_count)
+        peak["peak_paused_requests"] = max(peak["peak_paused_requests"], paused)
+        if paused:
+            peak["steps_with_paused_requests"] += 1
+            self._paused_ids.update(int(r) for r in ctx.request_ids[:paused].tolist())
+        peak["requests_paused"] = len(self._paused_ids)
 
     def _check_free_pool(self, owners: Counter) -> None:
         allocator = self.context.kv_block_allocator
@@ -220,8 +263,23 @@ class ContextAudit:
     def count(self, *kinds: str) -> int:
         return sum(1 for v in self.violations if v.kind in kinds)
 
+    #: Keys of ``summary()["pressure"]``.
+    PRESSURE_KEYS = ("total_blocks", "peak_blocks_held", "peak_blocks_not_free", "peak_paused_requests",
+                     "steps_with_paused_requests", "requests_paused", "cached_blocks_evicted",
+                     "blocks_deregistered_at_ref_zero")
+
     def summary(self) -> dict[str, Any]:
-        """Counts per audit, and the first few violations of each kind as text."""
+        """Counts per audit, and the first few violations of each kind as text.
+
+        ``pressure`` (all ints, blocks exclude the dummy block): ``total_blocks`` in the pool;
+        ``peak_blocks_held``, the most distinct blocks in live block tables after a step;
+        ``peak_blocks_not_free``, the most blocks outside the free pool (held or cached);
+        ``peak_paused_requests``, the most requests paused at once (no KV block for their next
+        token); ``steps_with_paused_requests``; ``requests_paused``, distinct requests ever
+        paused; ``cached_blocks_evicted``, cached blocks evicted by LRU to make room;
+        ``blocks_deregistered_at_ref_zero``, cached blocks dropped when their ref count reached
+        zero (REF_ZERO). The last two stay 0 with prefix caching off.
+        """
         first = {}
         for v in self.violations:
             first.setdefault(v.kind, []).append(f"step {v.step}: {v.detail}")
@@ -233,6 +291,7 @@ class ContextAudit:
             "refcount_violations": self.count("ref_count", "free_pool", "drain"),
             "kv_writes_checked": self.kv_writes_checked,
             "steps_checked": self.steps_checked,
+            "pressure": {k: int(self.pressure.get(k, 0)) for k in self.PRESSURE_KEYS},
             "examples": {k: lines[:3] for k, lines in first.items()},
         }
 

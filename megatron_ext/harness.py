@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from . import mcore
 from .audit import ContextAudit
-from .cases import Case, PlannedRequest
+from .cases import Case, PlannedRequest, validate_planned
 from .compare import RequestOutput
 
 #: A run that has not drained after this many engine steps per request is declared stuck.
@@ -42,6 +42,9 @@ class RunRecord:
             (``blocks_matched``, ``prefill_tokens_skipped``, ``prefill_tokens_computed``,
             ``cache_hits``), all ints.
         audit: :meth:`ContextAudit.summary` of the run.
+        pressure: KV pool pressure (:meth:`ContextAudit.summary`'s ``pressure``, all ints) plus
+            ``requests_evicted``: requests megatron-core evicted from a full pool to be re-run
+            later (its ``evicted_request_count``).
         wall_s: wall-clock seconds for the run, build included.
         total_blocks: KV blocks in the context (dummy block included).
         error: the exception megatron-core raised during the run, as one line, or None.
@@ -53,6 +56,7 @@ class RunRecord:
     steps: int = 0
     counters: dict[str, int] = field(default_factory=dict)
     audit: dict[str, Any] = field(default_factory=dict)
+    pressure: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
     total_blocks: int = 0
     error: Optional[str] = None
@@ -97,8 +101,11 @@ def drive(
     with the innermost megatron-core frame); the audit results up to that step are kept.
 
     Raises:
+        WorkloadError: a zero-token prompt or a repeated request ID in ``planned`` (checked before
+            the engine or context is touched).
         EngineStuckError: more than ``MAX_STEPS_PER_REQUEST * len(planned)`` steps.
     """
+    validate_planned(planned)
     audit = ContextAudit(context, check_ref_counts=context.enable_prefix_caching).attach()
     waiting = deque(planned)
     live: set[int] = set()
@@ -114,11 +121,13 @@ def drive(
                 live.add(request.request_id)
             if live:
                 result = engine.step_modern()
+                finished_now = []
                 for finished in (result or {}).get("finished_request_records", []):
                     request_id = finished.request_id if hasattr(finished, "request_id") else finished[-1].request_id
                     _finish(record.outputs[request_id], finished)
                     live.discard(request_id)
-                _note_token_steps(engine, record, live)
+                    finished_now.append(request_id)
+                _note_token_steps(engine, record, live, finished_now)
                 audit.end_step()
             record.steps += 1
             if on_step:
@@ -138,6 +147,8 @@ def drive(
         audit.detach()
     record.audit = audit.summary()
     record.counters = record.audit.pop("prefix_cache")
+    record.pressure = record.audit.pop("pressure")
+    record.pressure["requests_evicted"] = int(getattr(engine, "evicted_request_count", 0) or 0)
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -151,8 +162,10 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
-def _note_token_steps(engine: Any, record: RunRecord, live: set[int]) -> None:
-    """Extend each request's ``token_steps`` with the current step for tokens new this step."""
-    for request_id, output in record.outputs.items():
+def _note_token_steps(engine: Any, record: RunRecord, live: set[int], finished_now: list[int]) -> None:
+    """Extend the ``token_steps`` of live requests and of those that finished in this step with
+    the current step for tokens new this step (requests finished earlier have all theirs)."""
+    for request_id in [*live, *finished_now]:
+        output = record.outputs[request_id]
         produced = len(output.tokens) if request_id not in live else _generated(engine, request_id)
         output.token_steps.extend([record.steps] * (produced - len(output.token_steps)))

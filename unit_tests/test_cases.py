@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.cases import CaseFileError, load_case, parse_case, plan_requests, shipped_cases
+from megatron_ext.cases import (
+    CaseFileError, PlannedRequest, RequestSpec, WorkloadError, load_case, parse_case, plan_requests,
+    shipped_cases, validate_planned,
+)
 from megatron_ext.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
@@ -69,3 +72,84 @@ def test_unknown_case_name_lists_the_shipped_ones(tmp_path):
     truncated.write_text("name: t\nrequests:\n  - {prompt: 'unterminated\n")
     with pytest.raises(CaseFileError, match=f"{truncated}: not valid YAML"):
         load_case(str(truncated))
+
+
+# -- bad input: zero-token prompts and repeated request IDs, refused before any engine exists ----
+
+@pytest.mark.parametrize(
+    "requests, message",
+    [
+        ("[{prompt: ''}]", r"field 'requests.0': Value error, empty prompt: 'prompt' and 'prefix' are both empty.*"
+                           r"write at least one character in 'prompt'"),
+        ("[{prompt: hi}, {conversation: ['', 'reply', 'more']}]",
+         r"field 'requests.1': Value error, empty prompt: the first turn 'conversation.0' is empty.*"
+         r"write at least one character in 'conversation.0'"),
+    ],
+)
+def test_empty_prompt_in_a_case_file_is_refused_naming_the_field(tmp_path, requests, message):
+    path = tmp_path / "empty.yaml"
+    path.write_text(f"name: x\nrequests: {requests}\n")
+    with pytest.raises(CaseFileError, match=f"{path}: {message}"):
+        load_case(str(path))
+
+
+def test_empty_prompt_with_a_prefix_is_a_prompt():
+    case = parse_case("name: x\nrequests: [{prefix: 'System: hi. ', prompt: ''}]\n")
+    assert [TOKENIZER.detokenize(p.prompt_tokens) for p in plan_requests(case, TOKENIZER)] == ["System: hi. "]
+
+
+def test_plan_requests_refuses_an_unvalidated_empty_prompt():
+    case = parse_case("name: x\nrequests: [{prompt: a}, {prompt: b}]\n")
+    bad = case.model_copy(update={"requests": [case.requests[0], RequestSpec.model_construct(
+        prompt="", prefix="", conversation=None, turn_interval=2, samples=1, arrival_step=0,
+        num_tokens_to_generate=4)]})
+    with pytest.raises(CaseFileError, match=r"field 'requests.1': 'prompt' \(with 'prefix'\) has 0 tokens"):
+        plan_requests(bad, TOKENIZER)
+
+
+def _planned(request_id, tokens, label="r"):
+    return PlannedRequest(request_id=request_id, arrival_step=0, prompt_tokens=tokens,
+                          num_tokens_to_generate=4, label=label)
+
+
+@pytest.mark.parametrize(
+    "planned, message",
+    [
+        ([_planned(0, [1]), _planned(1, [], "r1.s0")],
+         r"planned request 1 \(request_id 1, 'r1.s0'\) has an empty prompt \(0 tokens\).*at least one token"),
+        ([_planned(5, [1]), _planned(6, [2]), _planned(5, [3])],
+         r"planned requests 0 and 2 share request_id 5;.*give every request its own request_id"),
+    ],
+)
+def test_validate_planned_refuses_empty_prompts_and_repeated_ids(planned, message):
+    with pytest.raises(WorkloadError, match=message):
+        validate_planned(planned)
+    validate_planned([_planned(0, [1]), _planned(1, [1])])  # same prompt, own IDs: fine
+
+
+class _Untouchable:
+    """An engine / context stand-in: any use fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the engine or context was used ('{name}') before the input was validated")
+
+
+@pytest.mark.parametrize("planned", [[_planned(0, [])], [_planned(3, [1]), _planned(3, [2])]],
+                         ids=["empty-prompt", "repeated-id"])
+def test_drive_refuses_bad_requests_before_touching_the_engine(planned):
+    from megatron_ext.harness import RunRecord, drive
+
+    with pytest.raises(WorkloadError):
+        drive(_Untouchable(), _Untouchable(), parse_case("name: x\nrequests: [{prompt: a}]\n"), planned,
+              RunRecord(False, None))
+
+
+def test_ab_with_an_empty_prompt_case_exits_2_before_building_anything(tmp_path, monkeypatch, capsys):
+    from megatron_ext import ab, cli
+
+    for name in ("build_model", "build_engine", "backend", "apply"):
+        monkeypatch.setattr(ab, name, lambda *a, **k: pytest.fail("built something before refusing the case"))
+    path = tmp_path / "empty.yaml"
+    path.write_text("name: x\nrequests: [{conversation: ['']}]\n")
+    assert cli.main(["ab", "--case", str(path), "--no-progress"]) == 2
+    assert "field 'requests.0': Value error, empty prompt" in capsys.readouterr().err

@@ -34,6 +34,11 @@ class CaseFileError(MegatronExtError, ValueError):
     """A case file is missing, not YAML, or has a bad field (the message names the field)."""
 
 
+class WorkloadError(MegatronExtError, ValueError):
+    """A list of planned requests the engine must not be given: a zero-token prompt or a request
+    ID used twice (the message names the list index and the request ID)."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -86,7 +91,7 @@ class RequestSpec(_Strict):
     message. Turn k arrives at ``arrival_step + k * turn_interval``.
     """
 
-    prompt: Optional[str] = Field(None, min_length=1)
+    prompt: Optional[str] = None
     prefix: str = ""
     conversation: Optional[list[str]] = Field(None, min_length=1)
     turn_interval: int = Field(2, ge=0)
@@ -98,6 +103,14 @@ class RequestSpec(_Strict):
     def _one_source(self) -> "RequestSpec":
         if (self.prompt is None) == (self.conversation is None):
             raise ValueError("give exactly one of 'prompt' or 'conversation'")
+        if self.prefix == "" and self.prompt == "":
+            raise ValueError("empty prompt: 'prompt' and 'prefix' are both empty, so the request has 0 "
+                             "tokens and megatron-core cannot prefill it; write at least one character "
+                             "in 'prompt'")
+        if self.prefix == "" and self.conversation is not None and self.conversation[0] == "":
+            raise ValueError("empty prompt: the first turn 'conversation.0' is empty and there is no "
+                             "'prefix', so turn 0 has 0 tokens and megatron-core cannot prefill it; "
+                             "write at least one character in 'conversation.0'")
         return self
 
 
@@ -137,13 +150,23 @@ class PlannedRequest(_Strict):
 def plan_requests(case: Case, tokenizer: ByteTokenizer) -> list[PlannedRequest]:
     """Expand a case's requests into engine requests, ordered by arrival step then ID.
 
+    Request IDs are assigned here (0, 1, ... in case order), so a case cannot repeat one.
+
     Raises:
-        CaseFileError: a prompt plus its generated tokens exceeds ``max_sequence_length``.
+        CaseFileError: a prompt plus its generated tokens exceeds ``max_sequence_length``, or a
+            prompt has 0 tokens (a case built without validation; case files are refused when
+            loaded). Raised before anything is built or run.
     """
     planned: list[PlannedRequest] = []
     for index, spec in enumerate(case.requests):
         for turn, text in enumerate(_prompts(spec)):
             tokens = tokenizer.tokenize(spec.prefix + text)
+            if not tokens:
+                where = f"turn {turn} of 'conversation'" if spec.conversation else "'prompt' (with 'prefix')"
+                raise CaseFileError(
+                    f"case '{case.name}': field 'requests.{index}': {where} has 0 tokens; megatron-core "
+                    "cannot prefill an empty prompt; write at least one character"
+                )
             total = len(tokens) + spec.num_tokens_to_generate
             if total > case.inference.max_sequence_length:
                 raise CaseFileError(
@@ -161,6 +184,36 @@ def plan_requests(case: Case, tokenizer: ByteTokenizer) -> list[PlannedRequest]:
                     label=f"r{index}" + (f".t{turn}" if spec.conversation else "") + f".s{sample}",
                 ))
     return sorted(planned, key=lambda p: (p.arrival_step, p.request_id))
+
+
+def validate_planned(planned: list[PlannedRequest]) -> None:
+    """Refuse requests the engine must not be given; call before building or stepping anything.
+
+    megatron-core itself accepts both in ``DynamicInferenceEngine.add_request`` and fails later
+    (seen on 0.19.2, chunked prefill on): a zero-token prompt raises ``AssertionError: Chunk length
+    is 0`` in the context's ``add_request`` at the next step; a repeated ``request_id`` keeps the
+    first request's record (the second prompt is dropped), queues the ID twice, and the next step
+    raises the same assertion when it schedules the ID again.
+
+    Args:
+        planned: the requests, as :func:`plan_requests` returns them (or built by hand).
+
+    Raises:
+        WorkloadError: a prompt has 0 tokens, or two requests share a ``request_id`` (the message
+            names the list indices, the ID and the fix).
+    """
+    first_index: dict[int, int] = {}
+    for index, request in enumerate(planned):
+        if len(request.prompt_tokens) == 0:
+            raise WorkloadError(
+                f"planned request {index} (request_id {request.request_id}, '{request.label}') has an "
+                "empty prompt (0 tokens); megatron-core cannot prefill it: give it at least one token")
+        if request.request_id in first_index:
+            raise WorkloadError(
+                f"planned requests {first_index[request.request_id]} and {index} share request_id "
+                f"{request.request_id}; megatron-core would keep only the first: give every request "
+                "its own request_id")
+        first_index[request.request_id] = index
 
 
 def _prompts(spec: RequestSpec) -> list[str]:
@@ -205,6 +258,11 @@ def load_case(name_or_path: str) -> Case:
     return parse_case(text, source)
 
 
+def dump_case(case: Case) -> str:
+    """A case as case-file YAML; :func:`parse_case` of it gives an equal case."""
+    return yaml.safe_dump(case.model_dump(), sort_keys=False, width=200)
+
+
 def parse_case(text: str, source: str = "<string>") -> Case:
     """Validate YAML text as a :class:`Case`. Raises CaseFileError naming the bad field."""
     try:
@@ -216,8 +274,12 @@ def parse_case(text: str, source: str = "<string>") -> Case:
     try:
         return Case.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"field '{'.'.join(str(p) for p in err['loc']) or '<top>'}': {err['msg']}"
-            for err in exc.errors()
-        )
-        raise CaseFileError(f"{source}: {problems}") from None
+        raise CaseFileError(f"{source}: {describe_validation_error(exc)}") from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """``field 'requests.0.samples': <pydantic's message>; ...`` for every error in ``exc``."""
+    return "; ".join(
+        f"field '{'.'.join(str(p) for p in err['loc']) or '<top>'}': {err['msg']}"
+        for err in exc.errors()
+    )

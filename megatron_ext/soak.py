@@ -1,0 +1,183 @@
+"""Soak workload for ``megatron-ext soak``: a generated case of many requests with shared prefixes.
+
+:func:`soak_case` turns a seed and a request count into an ordinary :class:`~megatron_ext.cases.Case`
+(the same schema, planner and ``ab`` harness as the shipped cases), so a soak is ``ab`` on a big,
+random but reproducible workload:
+
+* RL rollouts: one prompt sampled 2-8 times, all samples arriving together (siblings finish in
+  the same step and release their shared blocks together);
+* multi-turn conversations of 2-4 turns: each turn's prompt extends the previous turn's prompt;
+* questions under one of a few shared system prompts (the ``prefix`` field);
+* arrivals as a seeded Poisson process (exponential gaps between groups), prompt lengths of 1 to
+  200 tokens on and off block boundaries (3 in 4 at most 40 tokens: the CPU backend's cost grows
+  with the tokens computed), 2-16 generated tokens per request;
+* chunked prefill on with 64-token chunks, and a KV pool of 48 blocks of 16 tokens for up to 16
+  requests, far less than 16 requests of up to 14 blocks need: requests are paused, and LRU
+  evicts cached blocks to admit new ones.
+
+The same ``(requests, seed)`` gives the same case everywhere (Python's ``random.Random``; no
+dependence on hash seeds or dict order). The prompts are English-like word salad from a fixed
+word list (the byte tokenizer maps one character to one token).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from .cases import Case, CaseFileError, Expectations, InferenceSpec, ModelSpec, RequestSpec, describe_validation_error
+
+if TYPE_CHECKING:
+    from .ab import ABResult
+
+#: The tiny model every shipped case uses.
+SOAK_MODEL = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, params_dtype="bf16", seed=1234)
+
+#: KV pool of 48 usable blocks of 16 tokens (bf16, 2 layers x 4 heads x 16 channels x K,V = 8 KiB a
+#: block; megatron-core adds one dummy block), up to 16 requests, 64-token prefill chunks.
+SOAK_INFERENCE = InferenceSpec(block_size_tokens=16, buffer_size_gb=49 * 8192 / 1024**3, max_requests=16,
+                               max_tokens=64, max_sequence_length=256, enable_chunked_prefill=True)
+
+#: The longest prompt the generator writes (tokens) and the most tokens it asks to generate.
+MAX_PROMPT_TOKENS, MAX_GENERATED_TOKENS = 200, 16
+
+#: Prompts and messages up to this many tokens are "short"; 3 in 4 are short.
+SHORT_TOKENS = 40
+
+#: Mean gap between the arrivals of two groups (a rollout group, a conversation or a question), in
+#: engine steps. Groups hold ~3 requests on average and the engine finishes ~1 request per step at
+#: most here, so the queue and the pool stay full.
+MEAN_ARRIVAL_GAP_STEPS = 2.5
+
+_WORDS = (
+    "the a of to and in is it that for on with as was at by be this from or an are not have which "
+    "river water block cache token prompt model layer engine request sample batch memory pool "
+    "summary tensor kernel buffer query answer system user assistant reply question explain list "
+    "three prime number larger ninety blue sky rain tin haiku bread dough oven hike lake mirror "
+    "drill tile glue wood paint commit message hash table tree map cycle child step example tool "
+    "safety power store careful brief kind warm rise hour double size start flour salt yeast plan "
+    "short walk far eight kilometre weather storm cloud light wind north south east west green"
+).split()
+
+_SYSTEM_PROMPTS = (
+    "System: You are a careful assistant for a hardware store. Answer briefly and name the tool.\n",
+    "System: You are a patient tutor. Explain each step, then give one short example.\n",
+    "System: Reply as a terse code reviewer: list problems first, then one fix each, no praise.\n",
+)
+
+
+def _text(rng: random.Random, length: int) -> str:
+    """Words from the fixed list, cut to exactly ``length`` characters (ASCII: one token each)."""
+    words: list[str] = []
+    size = 0
+    while size < length:
+        word = rng.choice(_WORDS)
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)[:length]
+
+
+def _length(rng: random.Random, longest: int) -> int:
+    """A length in [1, longest]: 3 in 4 at most :data:`SHORT_TOKENS`, the rest above."""
+    if longest <= SHORT_TOKENS or rng.random() < 0.75:
+        return rng.randint(1, min(longest, SHORT_TOKENS))
+    return rng.randint(SHORT_TOKENS + 1, longest)
+
+
+def soak_case(
+    requests: int,
+    seed: int = 0,
+    policies: Sequence[str] = ("ref_zero", "lru"),
+    chunked_prefill: bool = True,
+) -> Case:
+    """A reproducible soak workload of exactly ``requests`` engine requests.
+
+    Args:
+        requests: number of engine requests (samples and conversation turns each count one), >= 1.
+        seed: seed of the generator; the same ``(requests, seed, policies)`` gives the same case.
+        policies: prefix-caching eviction policies to run B with (``ref_zero``, ``lru``).
+        chunked_prefill: megatron-core's ``enable_chunked_prefill``. Off, prompts longer than a
+            step's token budget cannot be admitted, so ``max_tokens`` is raised to 256 (every
+            prompt then prefills in one step); the workload is the same.
+
+    Returns:
+        A :class:`Case` named ``soak-<requests>-seed<seed>`` with chunked prefill on, a 48-block
+        KV pool (:data:`SOAK_INFERENCE`) and the expectations of a soak: bit-identical, at least
+        one matched block.
+
+    Raises:
+        ValueError: ``requests`` < 1.
+        CaseFileError: unknown policy (the case schema refuses it, naming the field).
+    """
+    if requests < 1:
+        raise ValueError(f"soak: --requests must be >= 1, got {requests}")
+    rng = random.Random(f"megatron-ext soak {seed}")
+    specs: list[RequestSpec] = []
+    left, arrival = requests, 0.0
+    while left:
+        kind = rng.random()
+        step = int(arrival)
+        generate = rng.randint(2, MAX_GENERATED_TOKENS)
+        if kind < 0.45:  # RL rollout: one prompt sampled N times, admitted together
+            samples = min(left, rng.randint(2, 8))
+            prompt = _text(rng, _length(rng, MAX_PROMPT_TOKENS))
+            specs.append(RequestSpec(prompt=prompt, samples=samples, arrival_step=step,
+                                     num_tokens_to_generate=generate))
+            left -= samples
+        elif kind < 0.80:  # multi-turn conversation: turn k's prompt extends turn k-1's
+            turns = min(left, rng.randint(2, 4))
+            budget = MAX_PROMPT_TOKENS // (2 * turns - 1)  # the last turn holds 2*turns-1 messages
+            messages = [("User: " if k % 2 == 0 else "Assistant: ") + _text(rng, _length(rng, budget - 12)) + "\n"
+                        for k in range(2 * turns - 1)]
+            specs.append(RequestSpec(conversation=messages, turn_interval=rng.randint(1, 12),
+                                     arrival_step=step, num_tokens_to_generate=generate))
+            left -= turns
+        else:  # a question under a shared system prompt
+            system = rng.choice(_SYSTEM_PROMPTS)
+            question = "User: " + _text(rng, _length(rng, MAX_PROMPT_TOKENS - len(system) - 7)) + "\n"
+            specs.append(RequestSpec(prefix=system, prompt=question, arrival_step=step,
+                                     num_tokens_to_generate=generate))
+            left -= 1
+        arrival += rng.expovariate(1.0 / MEAN_ARRIVAL_GAP_STEPS)
+    inference = SOAK_INFERENCE if chunked_prefill else SOAK_INFERENCE.model_copy(
+        update={"enable_chunked_prefill": False, "max_tokens": 256})
+    try:
+        return Case(
+            name=f"soak-{requests}-seed{seed}" + ("" if chunked_prefill else "-unchunked"),
+            description=f"Generated soak workload: {requests} requests (RL rollouts, multi-turn "
+                        f"conversations, shared system prompts), seed {seed}, 48-block KV pool.",
+            model=SOAK_MODEL,
+            inference=inference,
+            prefix_caching_eviction_policies=list(policies),
+            requests=specs,
+            expectations=Expectations(bit_identical=True, min_blocks_matched=1, min_prefill_tokens_skipped=1),
+        )
+    except ValidationError as exc:
+        raise CaseFileError(f"soak: {describe_validation_error(exc)}") from None
+
+
+def soak_summary(result: "ABResult") -> dict[str, Any]:
+    """The soak's figures per run: requests, engine steps, seconds, prefix-cache counters and KV
+    pool pressure (``peak_pool_use`` is ``"held/total"`` blocks), megatron-core's error if any."""
+    runs = [("caching off", result.baseline)] + [(p.policy, p.run) for p in result.policies]
+    out: dict[str, Any] = {"case": result.case.name, "requests": len(result.baseline.outputs),
+                           "megatron_core_version": result.megatron_core_version,
+                           "verdict": "pass" if not result.failures() else "fail", "runs": {}}
+    for name, run in runs:
+        pressure = run.pressure
+        out["runs"][name] = {
+            "engine_steps": run.steps, "wall_s": round(run.wall_s, 1),
+            "blocks_matched": run.counters.get("blocks_matched", 0),
+            "prefill_tokens_skipped": run.counters.get("prefill_tokens_skipped", 0),
+            "peak_pool_use": f"{pressure.get('peak_blocks_held', 0)}/{pressure.get('total_blocks', 0)}",
+            **{k: pressure.get(k, 0) for k in ("peak_paused_requests", "requests_paused",
+                                                "requests_evicted", "cached_blocks_evicted")},
+            "kv_write_violations": run.audit.get("kv_write_violations", 0),
+            "refcount_violations": run.audit.get("refcount_violations", 0),
+            "error": run.error,
+        }
+    return out

@@ -1,0 +1,63 @@
+"""The generated soak workload: exact size, reproducible, the shapes it promises, and it fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ext.cases import CaseFileError, dump_case, load_case, plan_requests
+from megatron_ext.soak import MAX_PROMPT_TOKENS, SOAK_INFERENCE, soak_case
+from megatron_ext.tokenizer import ByteTokenizer
+
+TOKENIZER = ByteTokenizer()
+
+
+@pytest.mark.parametrize("requests", [1, 2, 7, 150, 2000])
+def test_exactly_the_requested_number_of_requests(requests):
+    planned = plan_requests(soak_case(requests, seed=5), TOKENIZER)  # also: every request fits
+    assert len(planned) == requests
+    assert sorted(p.request_id for p in planned) == list(range(requests))
+
+
+def test_same_seed_same_case_other_seed_other_case():
+    assert soak_case(150, seed=3) == soak_case(150, seed=3)
+    assert soak_case(150, seed=3).requests != soak_case(150, seed=4).requests
+
+
+def test_shapes_lengths_and_arrivals():
+    case = soak_case(2000, seed=0)
+    planned = plan_requests(case, TOKENIZER)
+    assert case.inference.enable_chunked_prefill and case.inference == SOAK_INFERENCE
+    assert case.prefix_caching_eviction_policies == ["ref_zero", "lru"]
+    rollouts = [s for s in case.requests if s.samples > 1]
+    conversations = [s for s in case.requests if s.conversation and len(s.conversation) >= 3]
+    system_prompts = {s.prefix for s in case.requests if s.prefix}
+    assert len(rollouts) > 100 and len(conversations) > 100 and len(system_prompts) == 3
+    lengths = [len(p.prompt_tokens) for p in planned]
+    assert min(lengths) >= 1 and max(lengths) <= MAX_PROMPT_TOKENS
+    assert sum(n > case.inference.max_tokens for n in lengths) > 50  # prefilled in several chunks
+    assert {n % 16 == 0 for n in lengths} == {True, False}  # on and off block boundaries
+    arrivals = [p.arrival_step for p in planned]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 1000 and len(set(arrivals)) > 500
+    # the largest request fits the pool, so none is refused for size
+    block = case.inference.block_size_tokens
+    assert max(-(-(len(p.prompt_tokens) + p.num_tokens_to_generate) // block) for p in planned) <= 48
+
+
+def test_unchunked_variant_fits_every_prompt_in_one_step():
+    case = soak_case(300, seed=0, chunked_prefill=False)
+    assert not case.inference.enable_chunked_prefill
+    assert max(len(p.prompt_tokens) for p in plan_requests(case, TOKENIZER)) <= case.inference.max_tokens
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="--requests must be >= 1, got 0"):
+        soak_case(0)
+    with pytest.raises(CaseFileError, match="soak: field 'prefix_caching_eviction_policies.0'"):
+        soak_case(10, policies=["fifo"])
+
+
+def test_dumped_case_file_loads_as_the_same_case(tmp_path):
+    case = soak_case(60, seed=2)
+    path = tmp_path / "soak.yaml"
+    path.write_text(dump_case(case))
+    assert load_case(str(path)) == case
