@@ -254,3 +254,16 @@ def test_megatron_lm_save_directory_errors(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="is a file, not a directory"):
         resolve_checkpoint(tmp_path / "file")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(CheckpointError, match=r"cannot read .*latest_checkpointed_iteration.txt"):
+        resolve_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("metadata", ["[1, 2]", "{not json", None])
+def test_damaged_metadata_json_is_refused(tmp_path, metadata):
+    if metadata is None:
+        (tmp_path / "metadata.json").mkdir()  # a directory where the file should be
+    else:
+        (tmp_path / "metadata.json").write_text(metadata)
+    with pytest.raises(CheckpointError, match=r"metadata.json is unreadable .*save it again"):
+        resolve_checkpoint(tmp_path)

@@ -110,7 +110,12 @@ def resolve_checkpoint(path: PathLike) -> CheckpointSource:
     directory = requested
     tracker = requested / TRACKER_FILE
     if tracker.is_file() and not _is_dist_checkpoint(requested):
-        text = tracker.read_text().strip()
+        try:
+            text = tracker.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"--load {shown}: cannot read {tracker} ({exc}); fix its "
+                                  "permissions or contents, or pass the iter_NNNNNNN directory "
+                                  "itself") from None
         if text == "release":
             iteration, directory = "release", requested / "release"
         elif text.isdigit():
@@ -146,7 +151,8 @@ def _checkpoint_config(directory: Path) -> Any:
     core = mcore.import_module(f"{_DIST_CHECKPOINTING}.core")
     try:
         return core.maybe_load_config(str(directory))
-    except (ValueError, TypeError) as exc:  # metadata.json is not the JSON megatron-core wrote
+    except (ValueError, TypeError, AttributeError, OSError) as exc:
+        # metadata.json is not the JSON object megatron-core wrote, or not a readable file
         raise CheckpointError(f"--load {directory}: its metadata.json is unreadable ({exc}); the "
                               "save did not finish or the file is damaged: save it again") from None
 

@@ -7,7 +7,8 @@ import json
 import os
 import sys
 import traceback
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -55,8 +56,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_ab(args: argparse.Namespace) -> int:
     """Run a case with prefix caching off and on; exit 0 only if bit-identical and audit-clean."""
-    from pathlib import Path
-
     from tqdm import tqdm
 
     from .ab import run_ab
@@ -74,6 +73,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
     if world_size > 1 and args.device != "cpu":
         print("megatron-ext: error: multi-rank ab runs CPU ranks over gloo; --device cuda is "
               "single-rank only", file=sys.stderr)
+        return 2
+    if not _outputs_writable({"--json": args.json, "--plot": args.plot}):
         return 2
     case = load_case(args.case)
     checkpoint = None
@@ -108,6 +109,20 @@ def cmd_ab(args: argparse.Namespace) -> int:
         if args.plot:
             write_plot(result, Path(args.plot))
     return result.exit_code()
+
+
+def _outputs_writable(outputs: dict[str, Any]) -> bool:
+    """Whether every given output file's directory exists and is writable; prints the fix on
+    stderr when not. Checked before a run, so a long run's results are not lost at the end."""
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        directory = Path(path).expanduser().resolve().parent
+        if not directory.is_dir() or not os.access(directory, os.W_OK):
+            print(f"megatron-ext: error: {flag} {path}: directory {directory} does not exist or is "
+                  "not writable; create it or choose another path", file=sys.stderr)
+            return False
+    return True
 
 
 def _world() -> tuple[int, int]:
@@ -157,8 +172,6 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
 def cmd_soak(args: argparse.Namespace) -> int:
     """``ab`` on a generated workload of ``--requests`` requests (:func:`megatron_ext.soak.soak_case`);
     exit codes as ``ab``."""
-    from pathlib import Path
-
     from tqdm import tqdm
 
     from .ab import run_ab
@@ -166,7 +179,10 @@ def cmd_soak(args: argparse.Namespace) -> int:
     from .cases import dump_case
     from .soak import soak_case, soak_summary
 
-    case = soak_case(args.requests, args.seed, args.policy or ("ref_zero", "lru"),
+    if not _outputs_writable({"--json": args.json, "--dump-case": args.dump_case}):
+        return 2
+    policies = list(dict.fromkeys(args.policy or ("ref_zero", "lru")))  # a repeated --policy runs once
+    case = soak_case(args.requests, args.seed, policies,
                      chunked_prefill=not args.no_chunked_prefill)
     if args.dump_case:
         Path(args.dump_case).write_text(dump_case(case))
@@ -189,8 +205,6 @@ def cmd_soak(args: argparse.Namespace) -> int:
 
 def cmd_patch_source(args: argparse.Namespace) -> int:
     """Apply / check / revert the source patches on a megatron-core tree."""
-    from pathlib import Path
-
     from .source_patches import default_tree, patch_source, tree_version
 
     tree = Path(args.path) if args.path else default_tree()

@@ -153,3 +153,15 @@ def test_ab_with_an_empty_prompt_case_exits_2_before_building_anything(tmp_path,
     path.write_text("name: x\nrequests: [{conversation: ['']}]\n")
     assert cli.main(["ab", "--case", str(path), "--no-progress"]) == 2
     assert "field 'requests.0': Value error, empty prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["ab", "--json"], ["ab", "--plot"], ["soak", "--requests", "5", "--json"],
+                                     ["soak", "--requests", "5", "--dump-case"]])
+def test_output_path_in_a_missing_directory_exits_2_before_running(tmp_path, monkeypatch, capsys, command):
+    from megatron_ext import ab, cli
+
+    for name in ("build_model", "build_engine", "backend", "apply", "run_ab"):
+        monkeypatch.setattr(ab, name, lambda *a, **k: pytest.fail("ran something before refusing the path"))
+    target = tmp_path / "missing" / "out.json"
+    assert cli.main([*command, str(target), "--no-progress"]) == 2
+    assert f"{command[-1]} {target}: directory {tmp_path / 'missing'} does not exist" in capsys.readouterr().err

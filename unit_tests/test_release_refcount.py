@@ -122,3 +122,59 @@ def test_without_prefix_caching_the_original_path_runs(runtime_patches):
     release(allocator, blocks.tolist())
     assert allocator.total_avail == 7
     assert free_ids(allocator) == [0, 1, 2, 3, 4, 5, 6]
+
+
+def many_owner_allocator(policy: str):
+    """64 hashed blocks with 40 owners each, plus 64 unhashed blocks with one owner each: a release
+    of every owner lists 64 * 40 + 64 = 2,624 IDs, enough for the linear dedupe path."""
+    allocator = make_allocator(policy, total_count=200, paused_count=1)
+    hashed = allocator.allocate_memory_blocks(64).tolist()
+    allocator.register_kv_block_hashes(hashed, [2_000_000 + b for b in hashed])
+    for _ in range(39):
+        pin(allocator, hashed)
+    private = allocator.allocate_memory_blocks(64).tolist()
+    ids = hashed * 40 + private
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+    return allocator, hashed, private, torch.tensor(ids, dtype=torch.int32)[order]
+
+
+@pytest.mark.parametrize("policy", ["REF_ZERO", "LRU"])
+def test_thousands_of_duplicated_ids_free_each_block_once(runtime_patches, policy):
+    allocator, hashed, private, ids = many_owner_allocator(policy)
+    assert ids.numel() == 2_624 and allocator.total_avail == 199 - 128
+    allocator.release_memory_blocks(ids)
+    assert ref_counts(allocator, hashed + private) == [0] * 128
+    free = allocator.block_bag[: allocator.total_avail].tolist()
+    assert len(free) == len(set(free))
+    if policy == "REF_ZERO":
+        assert sorted(free) == list(range(199))
+        assert allocator.kv_hash_to_block_id == {}
+    else:
+        assert sorted(free) == sorted(set(range(199)) - set(hashed))
+        assert allocator.kv_hash_to_block_id == {2_000_000 + b: b for b in hashed}
+
+
+@pytest.mark.parametrize("policy", ["REF_ZERO", "LRU"])
+def test_linear_and_sorting_dedupe_leave_the_same_books(monkeypatch, policy):
+    """megatron-ext's release with the linear dedupe (2,624 IDs) and with torch.unique forced."""
+    from megatron_ext.patches import release_refcount
+
+    books = []
+    for linear_from in (release_refcount._LINEAR_DEDUPE_FROM, 10**9):
+        monkeypatch.setattr(release_refcount, "_LINEAR_DEDUPE_FROM", linear_from)
+        allocator, _, _, ids = many_owner_allocator(policy)
+        release_blocks_per_occurrence(allocator, ids)
+        books.append((allocator.block_ref_counts.tolist(), allocator.block_hashes.tolist(),
+                       dict(allocator.kv_hash_to_block_id), allocator.total_avail,
+                       sorted(allocator.block_bag[: allocator.total_avail].tolist())))
+    assert books[0] == books[1]
+
+
+def test_empty_release_and_ids_outside_the_pool():
+    allocator = shared_prefix_allocator("REF_ZERO")
+    release_blocks_per_occurrence(allocator, torch.tensor([], dtype=torch.int32))
+    for bad in ([5, 6, 8], [-1, 5]):
+        with pytest.raises(ValueError, match=r"block IDs \[-?\d\] outside the KV pool \[0, 8\)"):
+            release_blocks_per_occurrence(allocator, torch.tensor(bad, dtype=torch.int32))
+    assert ref_counts(allocator, [4, 5, 6]) == [1, 3, 3]
+    assert allocator.total_avail == 4

@@ -102,7 +102,7 @@ def redirect_matched_block_writes(
             ``first_slot`` (an ``arange`` of positions in every release 0.17 to 0.19).
         matched_ranges: token-position ranges of the request's hash-matched blocks.
 
-    Only ``token_to_block_idx`` (int64, shape ``[max_tokens]``) changes, in place, on whatever
+    Only ``token_to_block_idx`` (integer, shape ``[max_tokens]``) changes, in place, on whatever
     device the bookkeeping lives on. Returns the number of redirected tokens.
     """
     dummy = context.kv_block_allocator.dummy_block_idx
