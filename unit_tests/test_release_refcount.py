@@ -170,11 +170,8 @@ def test_linear_and_sorting_dedupe_leave_the_same_books(monkeypatch, policy):
     assert books[0] == books[1]
 
 
-def test_empty_release_and_ids_outside_the_pool():
+def test_empty_release_changes_nothing():
     allocator = shared_prefix_allocator("REF_ZERO")
     release_blocks_per_occurrence(allocator, torch.tensor([], dtype=torch.int32))
-    for bad in ([5, 6, 8], [-1, 5]):
-        with pytest.raises(ValueError, match=r"block IDs \[-?\d\] outside the KV pool \[0, 8\)"):
-            release_blocks_per_occurrence(allocator, torch.tensor(bad, dtype=torch.int32))
     assert ref_counts(allocator, [4, 5, 6]) == [1, 3, 3]
     assert allocator.total_avail == 4
