@@ -122,15 +122,22 @@ def _fill_token_to_block_idx(context: Any, start: int, stop: int, value: int) ->
     From 0.18 the bookkeeping lives in (pinned) CPU memory; a numpy slice fill costs ~1 µs there,
     a torch slice assignment ~10 µs. On the GPU (0.17) it is a torch slice assignment.
     """
+    view = _numpy_view(context)
+    if view is not None:
+        view[start:stop] = value
+    else:
+        context.token_to_block_idx[start:stop] = value
+
+
+def _numpy_view(context: Any) -> Any:
+    """A cached numpy view of ``context.token_to_block_idx`` (rebuilt if the tensor changed), or
+    None where the bookkeeping is not in CPU memory."""
     target = context.token_to_block_idx
     cached = context.__dict__.get(_NUMPY_VIEW_ATTR)
     if cached is None or cached[0] is not target:
         view = target.numpy() if target.device.type == "cpu" and not target.requires_grad else None
         cached = context.__dict__[_NUMPY_VIEW_ATTR] = (target, view)
-    if cached[1] is not None:
-        cached[1][start:stop] = value
-    else:
-        target[start:stop] = value
+    return cached[1]
 
 
 def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict) -> None:
