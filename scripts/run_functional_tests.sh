@@ -7,6 +7,10 @@
 #                                                   on N visible CUDA devices; exits 1 at once if there are none
 #   -k EXPR / -m MARKEXPR                           select cases by name / marker (passed to pytest), e.g.
 #                                                   -k rl_rollouts, -k tp2, -m multirank, -m "not multirank"
+#   --workers N                                     pytest-xdist workers for the CPU suite (test files are
+#                                                   independent: --dist loadfile; each torchrun picks its own
+#                                                   port). Default: one per 4 CPUs (a TP2xPP2 case uses 4
+#                                                   ranks), so 1 (no xdist) on a small machine
 #   --timeout S                                     hard limit for the whole run (default 3600 s); each
 #                                                   torchrun also has its own (MEGATRON_EXT_MULTIRANK_TIMEOUT_S,
 #                                                   default 420 s) and collectives time out after
@@ -20,8 +24,8 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$REPO/.venv/bin/python"
 
-gpus=""; total_timeout=3600; bootstrap=1; pytest_args=()
-usage() { sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+gpus=""; total_timeout=3600; bootstrap=1; pytest_args=(); workers=""
+usage() { sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 die() { echo "run_functional_tests: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -29,6 +33,7 @@ while [ $# -gt 0 ]; do
     --gpus=*) gpus="${1#--gpus=}"; shift ;;
     -k|-m) [ $# -ge 2 ] || die "$1 needs an expression"; pytest_args+=("$1" "$2"); shift 2 ;;
     --timeout) [ $# -ge 2 ] || die "--timeout needs seconds"; total_timeout="$2"; shift 2 ;;
+    --workers) [ $# -ge 2 ] || die "--workers needs a number"; workers="$2"; shift 2 ;;
     --no-bootstrap) bootstrap=0; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; pytest_args+=("$@"); break ;;
@@ -36,6 +41,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 [[ "$total_timeout" =~ ^[0-9]+$ ]] || die "--timeout must be whole seconds, got '$total_timeout'"
+[ -z "$workers" ] && workers=$(( $(nproc) / 4 > 1 ? $(nproc) / 4 : 1 ))
+[[ "$workers" =~ ^[1-9][0-9]*$ ]] || die "--workers must be a whole number >= 1, got '$workers'"
 
 if [ "$bootstrap" = 1 ]; then
   "$REPO/scripts/bootstrap.sh"
@@ -67,7 +74,10 @@ else
   export MEGATRON_EXT_MULTIRANK=1
   export MEGATRON_EXT_DIST_TIMEOUT_S="${MEGATRON_EXT_DIST_TIMEOUT_S:-120}"
   set +e
-  timeout --kill-after=30 "$total_timeout" "$PY" -m pytest functional_tests "${pytest_args[@]}"
+  xdist=()
+  [ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadfile)
+  echo "run_functional_tests: CPU ranks, $workers pytest worker(s)" >&2
+  timeout --kill-after=30 "$total_timeout" "$PY" -m pytest functional_tests "${xdist[@]}" "${pytest_args[@]}"
   rc=$?
 fi
 if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
