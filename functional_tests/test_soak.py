@@ -68,11 +68,13 @@ def _assert_clean_and_stressed(report: dict, policy: str) -> None:
     assert baseline["error"] is None and run["error"] is None
     assert report["num_requests"] == REQUESTS
     assert len(run["outputs"]) == len(baseline["outputs"]) == REQUESTS
-    assert all(len(o["tokens"]) > 0 for o in baseline["outputs"].values())  # every request ran
+    # every request ran in both runs (the harness lists unrun requests too, with no tokens)
+    assert all(len(o["tokens"]) > 0 for o in baseline["outputs"].values())
+    assert all(len(o["tokens"]) > 0 for o in run["outputs"].values())
     assert entry["bit_identical"] and all(r["identical"] for r in entry["requests"])
     assert run["audit"]["kv_write_violations"] == 0
     assert run["audit"]["refcount_violations"] == 0  # drain included: nothing leaked
-    assert run["audit"]["steps_checked"] == run["steps"] > 0
+    assert 0 < run["audit"]["steps_checked"] <= run["steps"]  # idle steps are not audited
     assert run["counters"]["blocks_matched"] > 0 and run["counters"]["prefill_tokens_skipped"] > 0
     pressure = run["pressure"]
     assert pressure["total_blocks"] == 48 and pressure["peak_blocks_held"] > 40
