@@ -210,24 +210,24 @@ def _unexpected_tensors(stored_keys: set[str], model_keys: set[str]) -> list[str
     return sorted(k for k in stored_keys - model_keys if not k.startswith("optimizer."))
 
 
+#: Well-known tensors whose global shapes name a model flag: (key, flag, dim, ndim or None).
+#: Layer-stacked tensors (ndim 3) carry the number of layers in dim 0.
+_SHAPE_HINTS = (
+    ("decoder.layers.self_attention.linear_proj.weight", "num_layers", 0, 3),
+    ("decoder.final_layernorm.weight", "hidden_size", 0, None),
+    ("decoder.layers.mlp.linear_fc2.weight", "ffn_hidden_size", 2, 3),
+    ("embedding.position_embeddings.weight", "max_position_embeddings", 0, None),
+    ("embedding.word_embeddings.weight", "vocabulary rows (padded)", 0, None),
+)
+
+
 def _suggest(stored: dict) -> str:
     """`` (its shapes suggest num_layers=2, hidden_size=32, ...)`` from well-known tensors."""
     hints = []
-    layers = stored.get("decoder.layers.self_attention.linear_proj.weight")
-    if layers is not None and len(layers.global_shape) == 3:
-        hints.append(f"num_layers={layers.global_shape[0]}")
-    norm = stored.get("decoder.final_layernorm.weight")
-    if norm is not None:
-        hints.append(f"hidden_size={norm.global_shape[0]}")
-    fc2 = stored.get("decoder.layers.mlp.linear_fc2.weight")
-    if fc2 is not None and len(fc2.global_shape) == 3:
-        hints.append(f"ffn_hidden_size={fc2.global_shape[2]}")
-    positions = stored.get("embedding.position_embeddings.weight")
-    if positions is not None:
-        hints.append(f"max_position_embeddings={positions.global_shape[0]}")
-    words = stored.get("embedding.word_embeddings.weight")
-    if words is not None:
-        hints.append(f"vocabulary rows={words.global_shape[0]} (padded)")
+    for key, flag, dim, ndim in _SHAPE_HINTS:
+        tensor = stored.get(key)
+        if tensor is not None and (ndim is None or len(tensor.global_shape) == ndim):
+            hints.append(f"{flag}={tensor.global_shape[dim]}")
     return f" (its shapes suggest {', '.join(hints)})" if hints else ""
 
 
