@@ -222,6 +222,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron's model-parallel flags (launch T x P ranks with torchrun; CPU ranks over gloo)."""
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T",
+                        help="megatron-core tensor parallel size (launch T x P ranks with torchrun; "
+                        "CPU ranks over gloo)")
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="P",
+                        help="megatron-core pipeline parallel size (T x P ranks)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-ext",
@@ -248,11 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_ab.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p_ab.add_argument("--plot", metavar="PNG", help="also plot |Δ log-prob| per step (matplotlib)")
     p_ab.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p_ab.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T",
-                      help="megatron-core tensor parallel size (launch T x P ranks with torchrun; "
-                      "CPU ranks over gloo)")
-    p_ab.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="P",
-                      help="megatron-core pipeline parallel size (T x P ranks)")
+    _add_layout_arguments(p_ab)
     p_ab.add_argument("--load", metavar="DIR",
                       help="load the weights from a Megatron distributed checkpoint (torch_dist) or a "
                       "Megatron-LM save directory (latest_checkpointed_iteration.txt -> iter_NNNNNNN/) "
@@ -274,10 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_save.add_argument("--case", default="rl_rollouts",
                         help="shipped case name or case YAML whose model is saved (default: rl_rollouts)")
     p_save.add_argument("--seed", type=int, default=None, help="weights seed (default: the case's model.seed)")
-    p_save.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T")
-    p_save.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="P")
+    _add_layout_arguments(p_save)
     p_save.set_defaults(func=cmd_save_checkpoint)
-
 
     p_soak = sub.add_parser(
         "soak", help="ab on a generated workload of many requests sharing prefixes, under KV pressure",
