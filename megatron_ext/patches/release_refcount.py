@@ -125,7 +125,7 @@ def _free_unhashed_reached_zero(allocator: Any, ids: torch.Tensor, reached_zero:
 
 #: Attribute kept on the allocator: an int32 scratch tensor, one slot per block (see _distinct).
 _SCRATCH_ATTR = "_megatron_ext_dedupe_scratch"
-_LINEAR_DEDUPE_FROM = 1536
+_LINEAR_DEDUPE_FROM = 1536  # below this many IDs torch.unique is faster (see _distinct)
 _ONES: dict[tuple, torch.Tensor] = {}
 _POSITIONS: dict[torch.device, torch.Tensor] = {}
 
