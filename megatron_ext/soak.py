@@ -4,7 +4,7 @@
 (the same schema, planner and ``ab`` harness as the shipped cases), so a soak is ``ab`` on a big,
 random but reproducible workload:
 
-* RL rollouts: one prompt sampled 2-8 times, all samples arriving together (siblings finish in
+* RL rollouts: one prompt sampled 2-8 times (fewer for the last group if fewer requests are left), all samples arriving together (siblings finish in
   the same step and release their shared blocks together);
 * multi-turn conversations of 2-4 turns: each turn's prompt extends the previous turn's prompt;
 * questions under one of a few shared system prompts (the ``prefix`` field);
@@ -23,9 +23,7 @@ word list (the byte tokenizer maps one character to one token).
 from __future__ import annotations
 
 import random
-from typing import Sequence
-
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from pydantic import ValidationError
 
@@ -105,7 +103,7 @@ def soak_case(
             prompt then prefills in one step); the workload is the same.
 
     Returns:
-        A :class:`Case` named ``soak-<requests>-seed<seed>`` with chunked prefill on, a 48-block
+        A :class:`Case` named ``soak-<requests>-seed<seed>`` (chunked prefill as asked), a 48-block
         KV pool (:data:`SOAK_INFERENCE`) and the expectations of a soak: bit-identical, at least
         one matched block.
 
