@@ -106,7 +106,7 @@ class ContextAudit:
         ctx.add_request = audited_add_request
         ctx.append_key_value_cache = audited_append
         allocator.allocate_memory_blocks = audited_allocate
-        if hasattr(allocator, "_deregister_blocks"):  # prefix caching on: count evictions
+        if hasattr(allocator, "_deregister_blocks"):  # count evictions (none with prefix caching off)
             deregister, evict = allocator._deregister_blocks, allocator.evict_lru_blocks
 
             def counted_deregister(block_ids, *args, **kwargs):
