@@ -267,3 +267,31 @@ def test_damaged_metadata_json_is_refused(tmp_path, metadata):
         (tmp_path / "metadata.json").write_text(metadata)
     with pytest.raises(CheckpointError, match=r"metadata.json is unreadable .*save it again"):
         resolve_checkpoint(tmp_path)
+
+
+def _metadata(directory, backend: str = "torch_dist") -> None:
+    """The metadata.json megatron-core's dist_checkpointing.save writes (its CheckpointingConfig)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "metadata.json").write_text(json.dumps({
+        "sharded_backend": backend, "sharded_backend_version": 1,
+        "common_backend": "torch", "common_backend_version": 1}))
+
+
+def test_megatron_lm_release_and_iteration_trackers_resolve(tmp_path):
+    _metadata(tmp_path / "release")
+    _metadata(tmp_path / "iter_0000042")
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker.write_text("release\n")
+    source = resolve_checkpoint(tmp_path)
+    assert (source.path, source.iteration, source.backend) == (str(tmp_path / "release"), "release", "torch_dist")
+    tracker.write_text("42\n")
+    source = resolve_checkpoint(tmp_path)
+    assert (source.path, source.iteration) == (str(tmp_path / "iter_0000042"), 42)
+    assert source.describe() == (f"{tmp_path / 'iter_0000042'} (iteration 42, resolved from "
+                                 f"{tracker}), torch_dist")
+
+
+def test_other_sharded_backend_is_refused(tmp_path):
+    _metadata(tmp_path, backend="zarr")
+    with pytest.raises(CheckpointError, match=r"is a 'zarr' distributed"):
+        resolve_checkpoint(tmp_path)
