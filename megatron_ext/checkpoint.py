@@ -305,7 +305,12 @@ def load_checkpoint(model: Any, checkpoint: Union[PathLike, CheckpointSource], c
                               f"{source.path}: {type(exc).__name__}: {exc}") from exc
     state = loaded[MODEL_KEY]
     wanted = model.state_dict().keys()
-    model.load_state_dict({k: v for k, v in state.items() if k in wanted}, strict=True)
+    try:
+        model.load_state_dict({k: v for k, v in state.items() if k in wanted}, strict=True)
+    except RuntimeError as exc:  # after the shape check this means missing/unexpected keys
+        raise CheckpointError(f"--load {source.requested}: the model's weights were only partly "
+                              f"loaded ({exc}); the model is unusable: pass a --case whose model "
+                              "section matches the checkpoint") from exc
     return source
 
 
