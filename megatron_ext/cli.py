@@ -336,6 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MegatronExtError as exc:
         print(f"megatron-ext: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if _world()[1] > 1:  # under torchrun: leave the process group together (not in-process callers)
+            from .distributed import shut_down
+
+            shut_down()
 
 
 if __name__ == "__main__":
