@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.patches import matched_block_writes
-
 from .context_factory import (
     add_and_collect_writes,
     block_table,
@@ -26,17 +24,8 @@ P48 = list(range(1000, 1048))  # three full blocks
 P32 = P48[:32]  # two full blocks
 
 
-@pytest.fixture(params=["numpy-view", "torch-indexing"])
-def bookkeeping_access(request, monkeypatch):
-    """The runtime patch writes CPU bookkeeping (0.18+) through a numpy view and GPU bookkeeping
-    (0.17 on a GPU) with torch indexing; run every test through both paths."""
-    if request.param == "torch-indexing":
-        monkeypatch.setattr(matched_block_writes, "_numpy_view", lambda context: None)
-    return request.param
-
-
 @pytest.fixture(params=["REF_ZERO", "LRU"])
-def context(request, runtime_patches, bookkeeping_access):
+def context(request, runtime_patches):
     with prefix_caching_context(request.param) as ctx:
         yield ctx
 

@@ -33,9 +33,6 @@ COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._
 #: of a chunked prefill.
 MATCHED_RANGES_ATTR = "_megatron_ext_matched_token_ranges"
 
-#: Attribute kept on the context: ``(token_to_block_idx, its numpy view or None)``.
-_NUMPY_VIEW_ATTR = "_megatron_ext_token_to_block_idx_view"
-
 # Recorded from the released wheels with scripts/record_fingerprints.py.
 _V017 = {
     "DynamicInferenceContext.add_request": "8ac0ab32824d8700",
@@ -106,38 +103,14 @@ def redirect_matched_block_writes(
     device the bookkeeping lives on. Returns the number of redirected tokens.
     """
     dummy = context.kv_block_allocator.dummy_block_idx
+    offset = first_slot - first_position  # token position -> active-token slot
     redirected = 0
     for start, stop in matched_ranges:
         start, stop = max(start, first_position), min(stop, end_position)
         if start < stop:
-            offset = first_slot - first_position
-            _fill_token_to_block_idx(context, start + offset, stop + offset, dummy)
+            context.token_to_block_idx[start + offset : stop + offset] = dummy
             redirected += stop - start
     return redirected
-
-
-def _fill_token_to_block_idx(context: Any, start: int, stop: int, value: int) -> None:
-    """``token_to_block_idx[start:stop] = value``, through a cached numpy view on CPU bookkeeping.
-
-    From 0.18 the bookkeeping lives in (pinned) CPU memory; a numpy slice fill costs ~1 µs there,
-    a torch slice assignment ~10 µs. On the GPU (0.17) it is a torch slice assignment.
-    """
-    view = _numpy_view(context)
-    if view is not None:
-        view[start:stop] = value
-    else:
-        context.token_to_block_idx[start:stop] = value
-
-
-def _numpy_view(context: Any) -> Any:
-    """A cached numpy view of ``context.token_to_block_idx`` (rebuilt if the tensor changed), or
-    None where the bookkeeping is not in CPU memory."""
-    target = context.token_to_block_idx
-    cached = context.__dict__.get(_NUMPY_VIEW_ATTR)
-    if cached is None or cached[0] is not target:
-        view = target.numpy() if target.device.type == "cpu" and not target.requires_grad else None
-        cached = context.__dict__[_NUMPY_VIEW_ATTR] = (target, view)
-    return cached[1]
 
 
 def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict) -> None:
