@@ -26,13 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext import mcore
 from megatron_ext.cases import shipped_cases
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = float(os.environ.get("MEGATRON_EXT_MULTIRANK_TIMEOUT_S", "420"))
 OPT_IN = os.environ.get("MEGATRON_EXT_MULTIRANK") == "1"
-SERIES = mcore.release_series(mcore.installed_version())
 
 multirank_only = [
     pytest.mark.multirank,
@@ -126,11 +124,10 @@ def test_default_case_tp2(tmp_path):
 
 
 def _case_param(name: str):
-    marks = list(multirank_only)
-    if name == "memory_pressure" and SERIES in ("0.17", "0.18"):
-        marks.append(pytest.mark.xfail(strict=True, reason="upstream LRU eviction-order fault of "
-                                       "0.17/0.18 (parent evicted before child -> KeyError)"))
-    return pytest.param(name, marks=marks, id=name)
+    # No expected failure for memory_pressure on 0.17/0.18 here: at TP=2 (vocabulary padded to the
+    # TP size, other tokens) its LRU run does not reach the upstream eviction-order fault that the
+    # single-rank case hits; the strict xfail it had XPASSed on 0.17.1 and 0.18.2.
+    return pytest.param(name, marks=list(multirank_only), id=name)
 
 
 @pytest.mark.slow
