@@ -12,6 +12,9 @@ from .patches import ALL_PATCHES
 
 # One lock for every apply/revert, so concurrent callers never see half-applied patch sets.
 _LOCK = threading.RLock()
+# Installed patches in installation order: revert unwinds them last-first, because several patches
+# may wrap one target (each wrapper wraps the previous one).
+_INSTALLED: list = []
 
 FORCE_ENV = "MEGATRON_EXT_FORCE"
 SKIP_ENV = "MEGATRON_EXT_SKIP"
@@ -73,6 +76,7 @@ def apply(force: bool | None = None, strict: bool = False) -> list[PatchResult]:
                 results.append(patch.result(PatchState.NOT_APPLIED, f"skipped by {SKIP_ENV}"))
             elif plan.state is PatchState.APPLICABLE:
                 patch.install()
+                _INSTALLED.append(patch)
                 results.append(patch.result(PatchState.APPLIED, plan.reason, plan.evidence))
             else:
                 results.append(plan)
@@ -86,10 +90,13 @@ def revert() -> list[PatchResult]:
         One :class:`PatchResult` per patch: REVERTED or NOT_APPLIED.
     """
     with _LOCK:
-        results = []
-        for patch in ALL_PATCHES:
+        reverted = set()
+        while _INSTALLED:
+            patch = _INSTALLED.pop()
             if patch.uninstall():
-                results.append(patch.result(PatchState.REVERTED, "original functions restored"))
-            else:
-                results.append(patch.result(PatchState.NOT_APPLIED, "was not applied"))
-        return results
+                reverted.add(patch.name)
+        return [
+            patch.result(PatchState.REVERTED, "original functions restored") if patch.name in reverted
+            else patch.result(PatchState.NOT_APPLIED, "was not applied")
+            for patch in ALL_PATCHES
+        ]

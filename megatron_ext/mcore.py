@@ -84,3 +84,12 @@ def import_module(name: str) -> ModuleType:
                 f"cannot import {name} ({exc}); {_INSTALL_HINT}"
             ) from None
         raise
+
+
+def uses_lru_prefix_caching(allocator) -> bool:
+    """Whether a ``KVBlockAllocator`` caches blocks under the LRU eviction policy.
+
+    Under LRU, blocks of finished requests stay cached at ref count 0 until an allocation evicts
+    them; under REF_ZERO (the default) they are dropped when their ref count reaches zero.
+    """
+    return bool(allocator.enable_prefix_caching) and allocator.prefix_caching_eviction_policy.name == "LRU"

@@ -102,6 +102,19 @@ class PatchResult:
         }
 
 
+def installed_patches(target: "Target") -> list[str]:
+    """Names of the megatron-ext patches wrapping ``target``, outermost first.
+
+    Several patches may wrap one function (``add_request`` carries two on 0.17/0.18); each
+    wrapper wraps the one installed before it.
+    """
+    names, function = [], target.current()
+    while (name := getattr(function, PATCH_MARKER, None)) is not None:
+        names.append(name)
+        function = function.__wrapped__
+    return names
+
+
 def fingerprint(function: Callable) -> str:
     """SHA-256 (first 16 hex digits) of a function's dedented source, trailing blanks stripped.
 
@@ -156,7 +169,8 @@ class Patch(ABC):
         return tuple(f"{t.module}:{t.qualname}" for t in self.wrappers())
 
     def is_applied(self) -> bool:
-        return all(getattr(t.current(), PATCH_MARKER, None) == self.name for t in self.wrappers())
+        """Whether every target carries this patch's wrapper, anywhere in a stack of wrappers."""
+        return all(self.name in installed_patches(t) for t in self.wrappers())
 
     def result(self, state: PatchState, reason: str, evidence: str = "") -> PatchResult:
         return PatchResult(self.name, self.target_names(), state, reason, evidence)
@@ -165,12 +179,18 @@ class Patch(ABC):
         """Refusal result if the release or a target's code is not what this patch knows, else None."""
         supported = ", ".join(self.supported_releases)
         expected = self.fingerprints.get(mcore.base_release(version))
-        if expected is None:
+        if mcore.base_release(version) not in mcore.SUPPORTED_RELEASES:
             return self.result(
                 PatchState.REFUSED,
-                f"megatron-core {version} is not a supported release (supported: {supported}); "
-                "install one of those, or force with MEGATRON_EXT_FORCE=1 / apply(force=True) "
-                "after checking the target code yourself",
+                f"megatron-core {version} is not a supported release (supported: "
+                f"{', '.join(mcore.SUPPORTED_RELEASES)}); install one of those, or force with "
+                "MEGATRON_EXT_FORCE=1 / apply(force=True) after checking the target code yourself",
+            )
+        if expected is None:  # a supported release this patch was not written for
+            return self.result(
+                PatchState.REFUSED,
+                f"{self.name} was written for megatron-core {supported}, not {version}; force "
+                "with MEGATRON_EXT_FORCE=1 / apply(force=True) after checking the code yourself",
             )
         for target in self.checked_functions():
             try:
@@ -201,7 +221,7 @@ class Patch(ABC):
             needed, evidence = True, f"probe failed: {type(exc).__name__}: {exc}"
         if not needed:
             return self.result(
-                PatchState.NOT_NEEDED, "upstream fix present in the installed code", evidence
+                PatchState.NOT_NEEDED, "the installed code does not have this fault", evidence
             )
         refusal = self.check(version)
         if refusal is not None and not force:
@@ -223,9 +243,23 @@ class Patch(ABC):
             setattr(owner, target.attribute, wrapped)
 
     def uninstall(self) -> bool:
-        """Put back exactly the objects :meth:`install` replaced. Returns False if none were saved."""
+        """Put back exactly the objects :meth:`install` replaced. Returns False if none were saved.
+
+        Callers uninstall patches in the reverse order of installation, so that a target wrapped by
+        several patches is unwound from the outermost wrapper in.
+
+        Raises:
+            RuntimeError: another wrapper was installed over this patch's own after it (a caller
+                that broke the reverse order); nothing is changed.
+        """
         if not self._saved:
             return False
+        for target in self._saved:
+            if getattr(target.current(), PATCH_MARKER, None) != self.name:
+                raise RuntimeError(
+                    f"cannot revert {self.name}: {target.qualname} is wrapped again by "
+                    f"{installed_patches(target)[:1] or 'foreign code'}; revert that first"
+                )
         for target, saved in self._saved.items():
             setattr(target.owner(), target.attribute, saved)
         self._saved.clear()

@@ -44,7 +44,6 @@ Every run prints the number of allocator operations executed per policy and asse
 from __future__ import annotations
 
 import functools
-import inspect
 import random
 import time
 import types
@@ -66,6 +65,7 @@ from hypothesis.stateful import (
 )
 
 from megatron_ext import mcore
+from megatron_ext.patches.lru_leaf_first_eviction import takes_parent_hashes
 from megatron_ext.patches.release_refcount import RELEASE
 
 from .allocator_factory import make_allocator
@@ -385,10 +385,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     def build(self, total_count: int) -> None:
         self.allocator = make_allocator(self.POLICY, total_count=total_count, paused_count=1)
         self.model = OwnerModel(total_count, self.lru)
-        # 0.19 takes the prefix chain's parent hashes; 0.17/0.18 do not.
-        self.takes_parent_hashes = (
-            "parent_hashes" in inspect.signature(self.allocator.register_kv_block_hashes).parameters
-        )
+        # 0.19 takes the prefix chain's parent hashes; so do 0.17/0.18 with leaf-first eviction.
+        self.takes_parent_hashes = takes_parent_hashes()
         self.say(f"{self.POLICY} allocator, {total_count} blocks ({total_count - 1} usable)")
 
     @rule(plan=PLANS)

@@ -14,18 +14,38 @@ import torch
 import megatron_ext
 from megatron_ext import cli, mcore
 from megatron_ext.errors import PatchRefusedError
+from megatron_ext.patches import ALL_PATCHES
 from megatron_ext.patches.matched_block_writes import ADD_REQUEST, COMPUTE_PREFIX_MATCH
 from megatron_ext.patches.release_refcount import RELEASE
-from megatron_ext.patching import PatchState
+from megatron_ext.patches.lru_leaf_first_eviction import EVICT
+from megatron_ext.patches.lru_register_once import REGISTER
+from megatron_ext.patches.lru_resume_evictable import RESUME
+from megatron_ext.patching import PatchState, installed_patches
 
 from .allocator_factory import make_allocator, pin, ref_counts
 
-EXPECTED_STATUS = {
-    "0.17": {"release-refcount": "applicable", "matched-block-writes": "applicable"},
-    "0.18": {"release-refcount": "applicable", "matched-block-writes": "applicable"},
-    "0.19": {"release-refcount": "not needed", "matched-block-writes": "applicable"},
+_FAULTS_017_018 = {
+    "release-refcount": "applicable", "lru-leaf-first-eviction": "applicable",
+    "lru-register-once": "not needed", "lru-pin-before-allocate": "applicable",
+    "matched-block-writes": "applicable", "lru-resume-evictable": "applicable",
 }
-PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST], "0.18": [RELEASE, ADD_REQUEST], "0.19": [ADD_REQUEST]}
+EXPECTED_STATUS = {
+    "0.17": _FAULTS_017_018,
+    "0.18": _FAULTS_017_018,
+    "0.19": {
+        "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
+        "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
+        "matched-block-writes": "applicable", "lru-resume-evictable": "applicable",
+    },
+}
+TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME)
+PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME],
+                   "0.18": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME],
+                   "0.19": [ADD_REQUEST, REGISTER, RESUME]}
+#: The wrappers on add_request, outermost first (installed in ALL_PATCHES order).
+ADD_REQUEST_STACK = {"0.17": ["matched-block-writes", "lru-pin-before-allocate"],
+                     "0.18": ["matched-block-writes", "lru-pin-before-allocate"],
+                     "0.19": ["matched-block-writes"]}
 
 
 @pytest.fixture(autouse=True)
@@ -39,18 +59,31 @@ def states(results) -> dict[str, str]:
     return {r.patch: r.state.value for r in results}
 
 
+def by_name(results, name: str):
+    return next(r for r in results if r.patch == name)
+
+
 def test_status_per_release(mcore_series):
     results = megatron_ext.status()
     assert states(results) == EXPECTED_STATUS[mcore_series]
-    refcount = results[0]
+    refcount = by_name(results, "release-refcount")
+    eviction = by_name(results, "lru-leaf-first-eviction").evidence
+    register = by_name(results, "lru-register-once").evidence
+    pin_first = by_name(results, "lru-pin-before-allocate").evidence
     if mcore_series == "0.19":
         assert "ref count 0" in refcount.evidence
+        assert "evicted [[1]] (leaf first, as Megatron-LM #5822)" in eviction
+        assert "block 0 child count 2" in register  # the probe saw the double count
+        assert "takes potential_matched_count" in pin_first
     else:
         assert "ref count 1" in refcount.evidence  # the probe saw the leak
+        assert "evicted [[0]] (parent first)" in eviction
+        assert "takes no parent_hashes" in register
+        assert "has no potential_matched_count" in pin_first
 
 
 def test_apply_wraps_exactly_the_needed_targets_and_revert_restores_them(mcore_series):
-    originals = {t: t.current() for t in (RELEASE, ADD_REQUEST)}
+    originals = {t: t.current() for t in TARGETS}
     results = megatron_ext.apply()
     expected = {k: ("applied" if v == "applicable" else v) for k, v in EXPECTED_STATUS[mcore_series].items()}
     assert states(results) == expected
@@ -58,28 +91,54 @@ def test_apply_wraps_exactly_the_needed_targets_and_revert_restores_them(mcore_s
         patched = target in PATCHED_TARGETS[mcore_series]
         assert (target.current() is not original) == patched
         assert target.original() is original
-    assert states(megatron_ext.revert())["matched-block-writes"] == "reverted"
+    assert installed_patches(ADD_REQUEST) == ADD_REQUEST_STACK[mcore_series]
+    reverted = states(megatron_ext.revert())
+    assert reverted == {k: ("reverted" if v == "applicable" else "not applied")
+                        for k, v in EXPECTED_STATUS[mcore_series].items()}
     for target, original in originals.items():
         assert target.current() is original
 
 
-def test_apply_twice_changes_nothing():
+def test_apply_twice_changes_nothing(mcore_series):
     megatron_ext.apply()
     wrapper = ADD_REQUEST.current()
     again = megatron_ext.apply()
     assert ADD_REQUEST.current() is wrapper
     assert states(again)["matched-block-writes"] == "applied"
-    assert again[1].reason == "already applied by megatron-ext"
-    assert wrapper.__wrapped__ is ADD_REQUEST.original()  # one layer, not two
+    assert by_name(again, "matched-block-writes").reason == "already applied by megatron-ext"
+    assert installed_patches(ADD_REQUEST) == ADD_REQUEST_STACK[mcore_series]  # no layer twice
 
 
-def test_apply_revert_apply_round_trip():
+def test_stacked_wrappers_unwind_only_from_the_outside():
+    """Two patches on add_request, installed directly (on 0.19 one of them is not needed)."""
+    inner, outer = (next(p for p in ALL_PATCHES if p.name == name)
+                    for name in ("lru-pin-before-allocate", "matched-block-writes"))
+    original = ADD_REQUEST.current()
+    inner.install()
+    outer.install()
+    try:
+        stack = ADD_REQUEST.current()
+        assert installed_patches(ADD_REQUEST) == ["matched-block-writes", "lru-pin-before-allocate"]
+        assert inner.is_applied() and outer.is_applied()
+        with pytest.raises(RuntimeError, match="cannot revert lru-pin-before-allocate: "
+                           "DynamicInferenceContext.add_request is wrapped again by"):
+            inner.uninstall()
+        assert ADD_REQUEST.current() is stack  # the refusal changed nothing
+    finally:
+        assert outer.uninstall() and inner.uninstall()
+    assert ADD_REQUEST.current() is original
+
+
+def test_apply_revert_apply_round_trip(mcore_series):
     original = ADD_REQUEST.current()
     megatron_ext.apply()
     megatron_ext.revert()
     megatron_ext.apply()
-    assert ADD_REQUEST.current() is not original
-    assert ADD_REQUEST.current().__wrapped__ is original
+    assert installed_patches(ADD_REQUEST) == ADD_REQUEST_STACK[mcore_series]
+    function = ADD_REQUEST.current()
+    for _ in ADD_REQUEST_STACK[mcore_series]:
+        function = function.__wrapped__
+    assert function is original
     megatron_ext.revert()
     assert ADD_REQUEST.current() is original
 
@@ -95,8 +154,7 @@ def test_instances_created_before_apply_are_covered(mcore_series):
     assert allocator.kv_hash_to_block_id == {}
 
 
-def test_apply_from_many_threads_installs_one_wrapper():
-    original = ADD_REQUEST.current()
+def test_apply_from_many_threads_installs_one_wrapper(mcore_series):
     barrier = threading.Barrier(8)
     outcomes: list[list] = []
 
@@ -111,7 +169,7 @@ def test_apply_from_many_threads_installs_one_wrapper():
         thread.join()
     assert len(outcomes) == 8
     assert all(states(o)["matched-block-writes"] == "applied" for o in outcomes)
-    assert ADD_REQUEST.current().__wrapped__ is original
+    assert installed_patches(ADD_REQUEST) == ADD_REQUEST_STACK[mcore_series]
 
 
 @pytest.fixture
@@ -129,22 +187,22 @@ def changed_prefix_match(monkeypatch):
 def test_changed_target_is_refused_naming_function_and_versions(changed_prefix_match, mcore_version):
     before = ADD_REQUEST.current()
     results = megatron_ext.apply()
-    refused = results[1]
+    refused = by_name(results, "matched-block-writes")
     assert refused.state is PatchState.REFUSED
     assert "DynamicInferenceContext._compute_prefix_match" in refused.reason
     assert f"megatron-core {mcore_version}" in refused.reason
     assert "supported: 0.17.0, 0.17.1, 0.18.0, 0.18.2, 0.19.0, 0.19.2" in refused.reason
     assert refused.evidence.startswith("fingerprint ")
-    assert ADD_REQUEST.current() is before  # nothing installed
-    assert results[0].state is not PatchState.REFUSED  # the other patch is independent
+    assert "matched-block-writes" not in installed_patches(ADD_REQUEST)  # nothing installed
+    assert by_name(results, "release-refcount").state is not PatchState.REFUSED  # independent
     with pytest.raises(PatchRefusedError, match="_compute_prefix_match"):
         megatron_ext.apply(strict=True)
 
 
 def test_forced_apply_installs_despite_changed_target(changed_prefix_match):
-    results = megatron_ext.apply(force=True)
-    assert results[1].state is PatchState.APPLIED
-    assert results[1].reason.startswith("FORCED despite refusal")
+    forced = by_name(megatron_ext.apply(force=True), "matched-block-writes")
+    assert forced.state is PatchState.APPLIED
+    assert forced.reason.startswith("FORCED despite refusal")
     assert getattr(ADD_REQUEST.current(), "_self_megatron_ext_patch") == "matched-block-writes"
 
 
@@ -152,7 +210,7 @@ def test_unsupported_release_is_refused(monkeypatch):
     monkeypatch.setattr(mcore, "installed_version", lambda: "0.16.1")
     before = ADD_REQUEST.current()
     results = megatron_ext.apply()
-    assert [r.state for r in results] == [PatchState.REFUSED, PatchState.REFUSED]
+    assert [r.state for r in results] == [PatchState.REFUSED] * 6
     for result in results:
         assert "megatron-core 0.16.1 is not a supported release" in result.reason
         assert "0.17.0" in result.reason and "MEGATRON_EXT_FORCE=1" in result.reason
@@ -163,8 +221,8 @@ def test_skip_variable_leaves_a_patch_out(monkeypatch):
     monkeypatch.setenv("MEGATRON_EXT_SKIP", "matched-block-writes")
     before = ADD_REQUEST.current()
     results = megatron_ext.apply()
-    assert results[1].state is PatchState.NOT_APPLIED
-    assert ADD_REQUEST.current() is before
+    assert by_name(results, "matched-block-writes").state is PatchState.NOT_APPLIED
+    assert "matched-block-writes" not in installed_patches(ADD_REQUEST)
 
 
 def test_missing_megatron_core_is_one_line_error(monkeypatch, capsys):

@@ -1,8 +1,19 @@
-"""The runtime patches, in the order they are applied."""
+"""The runtime patches, in the order they are applied (and reverted last-first)."""
 
 from ..patching import Patch
+from .lru_leaf_first_eviction import LeafFirstEvictionPatch
+from .lru_pin_before_allocate import PinBeforeAllocatePatch
+from .lru_register_once import RegisterOncePatch
+from .lru_resume_evictable import ResumeEvictablePatch
 from .matched_block_writes import MatchedBlockWritesPatch
 from .release_refcount import ReleaseRefCountPatch
 
 #: One instance per patch for the whole process: each remembers what it replaced.
-ALL_PATCHES: tuple[Patch, ...] = (ReleaseRefCountPatch(), MatchedBlockWritesPatch())
+ALL_PATCHES: tuple[Patch, ...] = (
+    ReleaseRefCountPatch(),
+    LeafFirstEvictionPatch(),
+    RegisterOncePatch(),
+    PinBeforeAllocatePatch(),
+    MatchedBlockWritesPatch(),
+    ResumeEvictablePatch(),
+)

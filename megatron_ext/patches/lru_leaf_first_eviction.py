@@ -1,0 +1,269 @@
+"""Fault 3: under LRU, ``KVBlockAllocator.evict_lru_blocks`` evicts a parent before its child.
+
+Block hashes are parent-chained, and ``DynamicInferenceContext._find_kv_match_count`` relies on
+every cached block having all its ancestors cached: it finds the longest matching hash from the
+end of the prompt and then looks up every hash before it. The released eviction (0.17, 0.18)
+takes the cached blocks with the oldest timestamps, ties to the lower block ID. All blocks
+allocated in one step share a timestamp, and a chunked prefill gives a request's earlier (parent)
+blocks older timestamps than its later ones, so a parent is evicted while its child stays
+registered, and the next lookup of that prefix raises ``KeyError``.
+
+The fix backports megatron-core 0.19's prefix forest (Megatron-LM #5822, 2026-07-23, first
+released in 0.19.0), under upstream's names and meanings:
+
+- ``block_parent_id`` (int64 ``[total_count]``, bookkeeping device; -1 = root or not
+  registered) and ``block_child_count`` (int64 ``[total_count]``; registered children) on the
+  allocator, made at construction (or on first use for an allocator built before ``apply()``,
+  whose earlier blocks then count as roots) and cleared by ``reset()``;
+- ``register_kv_block_hashes(block_ids, block_hashes, parent_hashes=None)`` links each newly
+  registered block to its parent and counts it as the parent's child; a block that already holds
+  the hash is skipped (registration is idempotent, as upstream's #5995 made it). Parents come
+  from ``parent_hashes`` (resolved through the hash map, 0 = root) when given; the released
+  ``add_request`` gives none, and then the parent of a block is the entry before it in the
+  block table of the request being added (row ``total_request_count``, where ``add_request``
+  has just placed its matched and new blocks);
+- ``_deregister_blocks`` unlinks the blocks from their parents once it has succeeded;
+- ``evict_lru_blocks`` peels the cached forest from its leaves: the evictable leaf with the
+  oldest own timestamp (ties to the lower block ID) goes first, and a parent becomes a leaf
+  when its last cached child is gone. That is 0.19's eviction order.
+
+Only LRU changes; with REF_ZERO or prefix caching off every wrapper calls the released code.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import types
+from typing import Any, Callable
+
+import torch
+
+from ..errors import MegatronExtError
+from ..mcore import DYNAMIC_CONTEXT_MODULE, KV_BLOCK_ALLOCATOR_MODULE, uses_lru_prefix_caching
+from ..patching import Patch, Target, installed_patches
+
+INIT = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.__init__")
+REGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.register_kv_block_hashes")
+DEREGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator._deregister_blocks")
+RESET = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.reset")
+EVICT = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.evict_lru_blocks")
+# Relied on: the only caller of register_kv_block_hashes, with the block table row laid out.
+ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
+
+# Recorded from the released wheels with scripts/record_fingerprints.py.
+_V017 = {
+    "KVBlockAllocator.__init__": "7f26ed100595683f",
+    "KVBlockAllocator.register_kv_block_hashes": "8576c3b511780f62",
+    "KVBlockAllocator._deregister_blocks": "b13538964dfdc5ea",
+    "KVBlockAllocator.reset": "44c8ea2ff721d0a6",
+    "KVBlockAllocator.evict_lru_blocks": "efda579264685c4d",
+    "DynamicInferenceContext.add_request": "8ac0ab32824d8700",
+}
+_V018 = {
+    **_V017,
+    "KVBlockAllocator.__init__": "f2fbbdc06ec62893",
+    "KVBlockAllocator.reset": "fbf029ff1e7a4fde",
+    "DynamicInferenceContext.add_request": "0babd74ab35ee1e0",
+}
+FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018}
+
+
+class PrefixForestError(MegatronExtError, RuntimeError):
+    """The cached blocks' parent links are not a forest, so leaf-first eviction cannot free enough."""
+
+
+def prefix_forest(allocator: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block_parent_id, block_child_count)`` of an LRU allocator, made if it has none yet.
+
+    Both int64, shape ``[total_count]``, on the device of ``block_hashes`` (the GPU on 0.17).
+    """
+    if not hasattr(allocator, "block_parent_id"):
+        device = allocator.block_hashes.device
+        allocator.block_parent_id = torch.full((allocator.total_count,), -1, dtype=torch.int64, device=device)
+        allocator.block_child_count = torch.zeros(allocator.total_count, dtype=torch.int64, device=device)
+    return allocator.block_parent_id, allocator.block_child_count
+
+
+def _init_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
+    wrapped(*args, **kwargs)
+    if uses_lru_prefix_caching(allocator):
+        prefix_forest(allocator)
+
+
+def _bind_register(block_ids: list[int], block_hashes: list[int], parent_hashes: list[int] | None = None):
+    return list(block_ids), list(block_hashes), parent_hashes
+
+
+def register_with_parents(
+    allocator: Any, register: Callable, block_ids: list[int], block_hashes: list[int],
+    parent_hashes: list[int] | None,
+) -> None:
+    """Register the blocks not yet holding their hash, then link each to its parent.
+
+    Args:
+        allocator: an LRU ``KVBlockAllocator``.
+        register: the released ``register_kv_block_hashes`` (bound), called with the new blocks.
+        block_ids, block_hashes: equal-length lists of ints; block ``k``'s parent is the block
+            holding the hash before it in the prompt's chain.
+        parent_hashes: each block's parent hash (0 for a root), or None: parents from the block
+            table of the request ``add_request`` is adding.
+    """
+    held = allocator.block_hashes[torch.tensor(block_ids, dtype=torch.int64)].tolist()
+    keep = [i for i, (h, old) in enumerate(zip(block_hashes, held)) if h != old]
+    if not keep:
+        return  # every block already holds its hash: registering again changes nothing
+    ids = [block_ids[i] for i in keep]
+    register(ids, [block_hashes[i] for i in keep])
+    if parent_hashes is not None:
+        hash_map = allocator.kv_hash_to_block_id
+        parents = [hash_map.get(parent_hashes[i], -1) if parent_hashes[i] != 0 else -1 for i in keep]
+    else:
+        parents = _parents_in_block_table(allocator.context, ids)
+    parent_id, child_count = prefix_forest(allocator)
+    device = parent_id.device
+    parent_tensor = torch.tensor(parents, dtype=torch.int64, device=device)
+    parent_id[torch.tensor(ids, dtype=torch.int64, device=device)] = parent_tensor
+    linked = parent_tensor[parent_tensor >= 0]
+    child_count.index_add_(0, linked, torch.ones_like(linked))
+
+
+def _parents_in_block_table(context: Any, block_ids: list[int]) -> list[int]:
+    """Each block's predecessor in the block table ``add_request`` is filling (-1: first, or absent)."""
+    tables = getattr(context, "request_to_kv_block_ids", None)
+    row = getattr(context, "total_request_count", None)
+    if tables is None or row is None or row >= tables.shape[0]:
+        return [-1] * len(block_ids)
+    table = tables[row].tolist()
+    position = {block: k for k, block in enumerate(table) if block >= 0}
+    return [table[position[b] - 1] if position.get(b, 0) > 0 else -1 for b in block_ids]
+
+
+def _register_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
+    block_ids, block_hashes, parent_hashes = _bind_register(*args, **kwargs)
+    if not block_ids or not uses_lru_prefix_caching(allocator):
+        return wrapped(block_ids, block_hashes)
+    register_with_parents(allocator, wrapped, block_ids, block_hashes, parent_hashes)
+
+
+def _deregister_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
+    block_ids = kwargs["block_ids"] if "block_ids" in kwargs else args[0]
+    wrapped(*args, **kwargs)
+    if uses_lru_prefix_caching(allocator) and block_ids.numel():
+        parent_id, child_count = prefix_forest(allocator)
+        ids = block_ids.to(device=parent_id.device, dtype=torch.int64)
+        parents = parent_id[ids]
+        linked = parents[parents >= 0]
+        child_count.index_add_(0, linked, torch.full_like(linked, -1))
+        parent_id[ids] = -1
+        child_count[ids] = 0
+
+
+def _reset_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
+    wrapped(*args, **kwargs)
+    if uses_lru_prefix_caching(allocator):
+        parent_id, child_count = prefix_forest(allocator)
+        parent_id.fill_(-1)
+        child_count.fill_(0)
+
+
+def evict_leaves_first(allocator: Any, num_blocks_needed: int) -> bool:
+    """Evict ``num_blocks_needed`` cached blocks (ref count 0, hashed), never a parent before its child.
+
+    Args:
+        allocator: an LRU ``KVBlockAllocator`` (``block_timestamps``: int64 LRU clock values).
+        num_blocks_needed: how many blocks the free pool must gain.
+
+    Returns:
+        False, evicting nothing, if fewer blocks are cached; True once they are deregistered
+        (back in the free pool).
+
+    Raises:
+        PrefixForestError: the leaves ran out before enough blocks were found (a cycle in the
+            parent links: a block-hash collision). Nothing is evicted then.
+    """
+    cached = torch.nonzero((allocator.block_ref_counts == 0) & (allocator.block_hashes != -1),
+                           as_tuple=True)[0]
+    if cached.numel() < num_blocks_needed:
+        return False
+    if num_blocks_needed <= 0:
+        return True
+    parent_id, child_count = prefix_forest(allocator)
+    blocks = cached.tolist()
+    stamp = dict(zip(blocks, allocator.block_timestamps[cached].tolist()))
+    parent = dict(zip(blocks, parent_id[cached].tolist()))
+    children = dict(zip(blocks, child_count[cached].tolist()))
+    leaves = [(stamp[b], b) for b in blocks if children[b] == 0]
+    heapq.heapify(leaves)
+    victims: list[int] = []
+    while leaves and len(victims) < num_blocks_needed:
+        _, block = heapq.heappop(leaves)
+        victims.append(block)
+        up = parent[block]
+        if up in children:  # a cached parent: a leaf once its last cached child is gone
+            children[up] -= 1
+            if children[up] == 0:
+                heapq.heappush(leaves, (stamp[up], up))
+    if len(victims) < num_blocks_needed:
+        raise PrefixForestError(
+            f"LRU eviction found {len(victims)} evictable leaves of {num_blocks_needed} needed among "
+            f"{len(blocks)} cached blocks: the parent links hold a cycle (a block-hash collision)"
+        )
+    allocator._deregister_blocks(torch.tensor(victims, dtype=cached.dtype, device=cached.device))
+    return True
+
+
+def _evict_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> bool:
+    """Replaces the released eviction: ``wrapped`` is never called."""
+    num_blocks_needed = kwargs["num_blocks_needed"] if "num_blocks_needed" in kwargs else args[0]
+    return evict_leaves_first(allocator, num_blocks_needed)
+
+
+def probe_eviction_order(evict: Callable) -> tuple[bool, str]:
+    """Run an eviction function on a stand-in allocator holding one cached parent-child chain.
+
+    Block 0 (timestamp 4) is the parent of block 1 (timestamp 5), as after a chunked prefill;
+    both are cached (ref count 0). Evicting one block must take the leaf, block 1. Returns
+    ``(evicts_parent_first, evidence)``.
+    """
+    evicted: list[list[int]] = []
+    stand_in = types.SimpleNamespace(
+        block_ref_counts=torch.tensor([0, 0, 0], dtype=torch.int32),
+        block_hashes=torch.tensor([11, 22, -1], dtype=torch.int64),
+        block_timestamps=torch.tensor([4, 5, 0], dtype=torch.int64),
+        block_parent_id=torch.tensor([-1, 0, -1], dtype=torch.int64),
+        block_child_count=torch.tensor([1, 0, 0], dtype=torch.int64),
+        _deregister_blocks=lambda ids: evicted.append(ids.tolist()),
+    )
+    evict(stand_in, 1)
+    faulty = evicted != [[1]]
+    verdict = "parent first" if faulty else "leaf first, as Megatron-LM #5822"
+    return faulty, (f"probe: cached chain block 0 (ts 4) -> block 1 (ts 5), evict 1 -> evicted "
+                    f"{evicted} ({verdict})")
+
+
+class LeafFirstEvictionPatch(Patch):
+    """Backports 0.19's leaf-first LRU eviction to 0.17/0.18 (see module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "lru-leaf-first-eviction"
+        self.fingerprints = FINGERPRINTS
+
+    def wrappers(self) -> dict[Target, Callable]:
+        return {INIT: _init_wrapper, REGISTER: _register_wrapper, DEREGISTER: _deregister_wrapper,
+                RESET: _reset_wrapper, EVICT: _evict_wrapper}
+
+    def checked_functions(self) -> tuple[Target, ...]:
+        return (INIT, REGISTER, DEREGISTER, RESET, EVICT, ADD_REQUEST)
+
+    def needed(self) -> tuple[bool, str]:
+        return probe_eviction_order(EVICT.original())
+
+
+def takes_parent_hashes() -> bool:
+    """Whether ``KVBlockAllocator.register_kv_block_hashes`` now accepts ``parent_hashes``
+    (0.19's released code, or 0.17/0.18 with this patch applied)."""
+    if "lru-leaf-first-eviction" in installed_patches(REGISTER):
+        return True
+    return "parent_hashes" in inspect.signature(REGISTER.original()).parameters

@@ -1,0 +1,93 @@
+"""Fault 5: under LRU with chunked prefill, a hash-matched block is registered a second time.
+
+When a prefill chunk ends inside a block the request got by a hash match, the next chunk's
+``add_request`` registers that block again (its "range 1": blocks the previous chunk left
+incomplete). In 0.19 ``KVBlockAllocator.register_kv_block_hashes`` then counts the block as its
+parent's child a second time, while ``_deregister_blocks`` removes it once: the parent never
+becomes an evictable leaf, yet ``get_evictable_block_count`` still counts it, and
+``evict_lru_blocks`` fails ``leaf peel evicted ... parent graph is not a forest``.
+
+The fix mirrors Megatron-LM main #5995 (2026-07-31, in no release): registration skips every
+block that already holds the hash being registered, so registering again changes nothing.
+0.17/0.18 keep no child counts (``register_kv_block_hashes`` takes no ``parent_hashes``): there
+the fault does not exist, and megatron-ext's leaf-first eviction registers idempotently itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any, Callable
+
+import torch
+
+from ..mcore import KV_BLOCK_ALLOCATOR_MODULE, import_module
+from ..patching import Patch, Target
+
+REGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.register_kv_block_hashes")
+DEREGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator._deregister_blocks")
+
+# Recorded from the released wheels with scripts/record_fingerprints.py.
+_V019 = {
+    "KVBlockAllocator.register_kv_block_hashes": "ac39c3b349da7640",
+    "KVBlockAllocator._deregister_blocks": "020a9b57fd732f2c",
+}
+FINGERPRINTS = {"0.19.0": _V019, "0.19.2": _V019}
+
+
+def _bind(block_ids: list[int], block_hashes: list[int], parent_hashes: list[int] | None = None):
+    return list(block_ids), list(block_hashes), parent_hashes
+
+
+def _register_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
+    """Register only the blocks that do not hold their hash yet (``parent_hashes`` narrowed alike)."""
+    block_ids, block_hashes, parent_hashes = _bind(*args, **kwargs)
+    if not block_ids:
+        return wrapped(block_ids, block_hashes, parent_hashes)
+    held = allocator.block_hashes[torch.tensor(block_ids, dtype=torch.int64)].tolist()
+    keep = [i for i, (h, old) in enumerate(zip(block_hashes, held)) if h != old]
+    if len(keep) == len(block_ids):
+        return wrapped(block_ids, block_hashes, parent_hashes)
+    if not keep:
+        return None
+    parents = None if parent_hashes is None else [parent_hashes[i] for i in keep]
+    return wrapped([block_ids[i] for i in keep], [block_hashes[i] for i in keep], parents)
+
+
+def probe_double_registration(register: Callable) -> tuple[bool, str]:
+    """Register block 1 (child of block 0) twice on a real LRU allocator; report the child count.
+
+    Returns ``(counts_twice, evidence)``. Builds a 4-block ``KVBlockAllocator`` around a stand-in
+    context (0.19 keeps its bookkeeping on the CPU).
+    """
+    allocator_cls = import_module(KV_BLOCK_ALLOCATOR_MODULE).KVBlockAllocator
+    policy = import_module("megatron.core.inference.config").PrefixCachingEvictionPolicy
+    allocator = allocator_cls(types.SimpleNamespace(prefix_cache_lru_clock=1, block_size_tokens=16),
+                              total_count=4, paused_count=0, enable_prefix_caching=True,
+                              prefix_caching_eviction_policy=policy.LRU)
+    register(allocator, [0, 1], [11, 22], [0, 11])
+    register(allocator, [1], [22], [11])
+    children = int(allocator.block_child_count[0])
+    return children != 1, f"probe: block 1 (parent 0) registered twice -> block 0 child count {children}"
+
+
+class RegisterOncePatch(Patch):
+    """Makes 0.19's ``register_kv_block_hashes`` idempotent (see module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "lru-register-once"
+        self.fingerprints = FINGERPRINTS
+
+    def wrappers(self) -> dict[Target, Callable]:
+        return {REGISTER: _register_wrapper}
+
+    def checked_functions(self) -> tuple[Target, ...]:
+        return (REGISTER, DEREGISTER)
+
+    def needed(self) -> tuple[bool, str]:
+        register = REGISTER.original()
+        if "parent_hashes" not in inspect.signature(register).parameters:
+            return False, ("register_kv_block_hashes takes no parent_hashes: no child counts "
+                           "to count twice (0.17/0.18)")
+        return probe_double_registration(register)
