@@ -1,0 +1,214 @@
+"""Faults 3-6: LRU prefix caching under memory pressure, each from its smallest trigger.
+
+A real ``DynamicInferenceContext`` on the CPU with 4 usable KV blocks of 16 tokens (block 4 is
+the dummy block); ``add_request`` takes new blocks from the end of the free pool, so a fresh pool
+hands out [2, 3] before [0, 1]. One engine step = the LRU clock advances, requests are added, and
+finished requests release their blocks (``release_memory_blocks_from_request_indexes``).
+Prompts: A and B are two blocks each, C one block.
+
+The expected books are those of megatron-core 0.19's own code where it has the fix (faults 3
+and 4: the patched 0.17/0.18 must match them exactly). Every test runs with the runtime patches
+applied in the listed order and in reverse order (they compose in any order). With
+``MEGATRON_EXT_TEST_UNPATCHED=1`` they fail on the releases that have the fault: 3, 4 and the
+``check_availability`` test on 0.17/0.18, 5 on 0.19, 6 everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import megatron_ext
+from megatron_ext import api
+from megatron_ext.cpu_backend import cuda_on_cpu
+from megatron_ext.engine import small_prefix_caching_context
+from megatron_ext.patches import ALL_PATCHES
+from megatron_ext.patches.lru_leaf_first_eviction import PrefixForestError, evict_leaves_first, prefix_forest
+
+from .allocator_factory import free_ids, make_allocator
+from .conftest import UNPATCHED
+from .context_factory import BLOCK, finish_chunk, make_request
+
+A = list(range(1000, 1032))
+B = list(range(2000, 2032))
+C = list(range(3000, 3016))
+DUMMY = 4  # the dummy block of a 4-block pool
+KV_BYTES_PER_BLOCK = 2 * 2 * BLOCK * 4 * 16 * 4  # K and V, 2 layers, 16 tokens, 4 heads x 16, fp32
+
+
+def hashes(tokens: list[int]) -> list[int]:
+    return make_request(0, tokens).precomputed_block_hashes
+
+
+@pytest.fixture(params=["in order", "reversed"])
+def lru_patches(request, monkeypatch):
+    """The runtime patches applied in ALL_PATCHES order or reversed (none when unpatched)."""
+    if request.param == "reversed":
+        monkeypatch.setattr(api, "ALL_PATCHES", tuple(reversed(ALL_PATCHES)))
+    yield [] if UNPATCHED else megatron_ext.apply()
+    megatron_ext.revert()
+
+
+@contextlib.contextmanager
+def four_block_lru_context():
+    with cuda_on_cpu():
+        yield small_prefix_caching_context(
+            "LRU", block_size_tokens=BLOCK, buffer_size_gb=5 * KV_BYTES_PER_BLOCK / 2**30,
+            max_requests=8, max_tokens=256, max_sequence_length=256,
+        )
+
+
+def step(ctx, *requests) -> None:
+    """One engine step in which ``requests`` (id, tokens) are added and then finish."""
+    ctx.prefix_cache_lru_clock += 1
+    for request_id, tokens in requests:
+        ctx.add_request(make_request(request_id, tokens))
+    retire_all(ctx)
+
+
+def retire_all(ctx) -> None:
+    """Every request in the context finishes: its blocks are released and its row dropped."""
+    ctx.release_memory_blocks_from_request_indexes(torch.arange(ctx.total_request_count))
+    ctx.total_request_count = ctx.active_token_count = ctx.num_prefill_requests = 0
+
+
+def cached(ctx) -> dict[int, int]:
+    """Block ID -> hash of every registered block."""
+    return {b: h for b, h in enumerate(ctx.kv_block_allocator.block_hashes.tolist()) if h != -1}
+
+
+def forest(ctx) -> tuple[list[int], list[int]]:
+    allocator = ctx.kv_block_allocator
+    return allocator.block_parent_id.tolist(), allocator.block_child_count.tolist()
+
+
+def table(ctx, count: int, row: int = 0) -> list[int]:
+    return ctx.request_to_kv_block_ids[row][:count].tolist()
+
+
+def test_fault3_parent_outlives_its_cached_child(lru_patches):
+    a1, a2 = hashes(A)
+    b1, b2 = hashes(B)
+    (c1,) = hashes(C)
+    with four_block_lru_context() as ctx:
+        step(ctx, (1, A))  # A -> blocks [2, 3], cached at ts 1
+        step(ctx, (2, B))  # B -> blocks [0, 1], cached at ts 2: the pool is full of cached blocks
+        assert cached(ctx) == {0: b1, 1: b2, 2: a1, 3: a2}
+        assert forest(ctx) == ([-1, 0, -1, 2, -1], [1, 0, 1, 0, 0])
+        step(ctx, (3, C))  # evicts one block: A's leaf (3, ts 1), not its parent (2, ts 1)
+        assert cached(ctx) == {0: b1, 1: b2, 2: a1, 3: c1}
+        assert forest(ctx) == ([-1, 0, -1, -1, -1], [1, 0, 0, 0, 0])
+        ctx.prefix_cache_lru_clock += 1
+        again = make_request(4, A)
+        ctx.add_request(again)  # released 0.17/0.18: KeyError (block 3's parent hash a1 is gone)
+        allocator = ctx.kv_block_allocator
+        assert table(ctx, 2) == [2, 1]  # matched A's parent, evicted B's leaf for its 2nd block
+        assert allocator.block_ref_counts.tolist() == [0, 1, 1, 0, 0]
+        assert allocator.kv_hash_to_block_id == {a1: 2, a2: 1, b1: 0, c1: 3}
+        assert forest(ctx) == ([-1, 2, -1, -1, -1], [0, 0, 1, 0, 0])
+        assert allocator.block_timestamps.tolist() == [2, 4, 4, 3, 0]
+        assert free_ids(allocator) == []
+
+
+def test_fault4_matched_blocks_are_pinned_before_allocating(lru_patches):
+    a1, a2 = hashes(A)
+    with four_block_lru_context() as ctx:
+        step(ctx, (1, A))  # [2, 3], ts 1: the oldest cached blocks
+        step(ctx, (2, B))  # [0, 1], ts 2
+        ctx.prefix_cache_lru_clock += 1
+        longer = make_request(3, A + list(range(4000, 4032)))  # matches [2, 3], needs 2 new
+        assert ctx.check_availability(longer)[2]
+        ctx.add_request(longer)
+        # released 0.17/0.18: [2, 3, 2, 3], A's own matched blocks evicted and handed back
+        assert table(ctx, 4) == [2, 3, 1, 0]
+        x1, x2 = hashes(A + list(range(4000, 4032)))[2:]
+        allocator = ctx.kv_block_allocator
+        assert allocator.block_ref_counts.tolist() == [1, 1, 1, 1, 0]
+        assert allocator.kv_hash_to_block_id == {a1: 2, a2: 3, x1: 1, x2: 0}
+        assert forest(ctx) == ([1, 3, -1, 2, -1], [0, 1, 1, 1, 0])
+        assert allocator.block_timestamps.tolist() == [3, 3, 3, 3, 0]
+
+
+def test_fault4_check_availability_does_not_count_unpinned_matches_as_evictable(lru_patches):
+    with four_block_lru_context() as ctx:
+        step(ctx, (1, A))
+        step(ctx, (2, B))
+        ctx.prefix_cache_lru_clock += 1
+        # Matches A's 2 cached blocks and needs 3 more: 0 free + 4 cached, of which 2 are the
+        # request's own matches, leaves 2 evictable. Released 0.17/0.18 say it fits.
+        longest = make_request(3, A + list(range(5000, 5048)))
+        assert ctx.check_availability(longest) == (True, True, False)
+        assert ctx.total_request_count == 0
+
+
+def test_fault5_matched_block_registered_again_by_the_next_chunk(lru_patches):
+    a1, a2 = hashes(A)
+    with four_block_lru_context() as ctx:
+        step(ctx, (1, A))  # A -> [2, 3], cached
+        ctx.prefix_cache_lru_clock += 1
+        again = make_request(2, A)
+        ctx.add_request(again, 24)  # the first chunk ends inside matched block 3
+        finish_chunk(ctx, again, 24)
+        ctx.add_request(again, 8)  # "range 1" registers block 3 again
+        allocator = ctx.kv_block_allocator
+        assert table(ctx, 2) == [2, 3]
+        assert allocator.kv_hash_to_block_id == {a1: 2, a2: 3}
+        if hasattr(allocator, "block_child_count"):  # 0.19, or 0.17/0.18 with leaf-first eviction
+            assert forest(ctx) == ([-1, -1, -1, 2, -1], [0, 0, 1, 0, 0])  # released 0.19: 2 children
+        retire_all(ctx)
+        assert allocator.block_ref_counts.tolist() == [0, 0, 0, 0, 0]
+        # Released 0.19: "leaf peel evicted 1 of 2 requested ... parent graph is not a forest".
+        assert allocator.evict_lru_blocks(2)
+        assert cached(ctx) == {} and allocator.kv_hash_to_block_id == {}
+        assert free_ids(allocator) == [0, 1, 2, 3]
+
+
+def test_fault6_paused_request_resumes_into_an_evictable_block(lru_patches):
+    (c1,) = hashes(C)
+    prompt = A + list(range(6000, 6016))  # 48 tokens: 3 full blocks, the last token at offset 15
+    with four_block_lru_context() as ctx:
+        step(ctx, (1, C))  # C -> block 3, cached
+        ctx.prefix_cache_lru_clock += 1
+        ctx.add_request(make_request(2, prompt))  # -> [0, 1, 2]: no free block left
+        allocator = ctx.kv_block_allocator
+        assert (free_ids(allocator), cached(ctx)[3]) == ([], c1)
+        assert ctx.request_last_kv_block_offset[0] == BLOCK - 1  # its next token needs a block
+        ctx.paused_request_count = 1  # update_requests paused it for that block
+        ctx.prefix_cache_lru_clock += 1
+        active, still_paused = ctx.resume_paused_requests(0, torch.tensor([2]))
+        # Released code: (0, tensor([2])): it stays paused, and with nothing else active the
+        # engine step fails "active_request_count == 0 with no hidden chunked prefill".
+        assert (active, still_paused.tolist(), ctx.paused_request_count) == (1, [], 0)
+        assert table(ctx, 4) == [0, 1, 2, 3]  # C's cached block 3 was evicted for it
+        assert 3 not in cached(ctx) and c1 not in allocator.kv_hash_to_block_id
+        assert allocator.block_ref_counts.tolist() == [1, 1, 1, 1, 0]
+        assert ctx.request_kv_block_counts[0] == 4 and ctx.request_last_kv_block_id[0] == 3
+
+
+def test_fault6_nothing_is_evicted_when_the_free_pool_suffices(lru_patches):
+    with four_block_lru_context() as ctx:
+        step(ctx, (1, C))  # C -> block 3, cached
+        ctx.prefix_cache_lru_clock += 1
+        ctx.add_request(make_request(2, A))  # -> [1, 2]; block 0 stays free
+        ctx.paused_request_count = 1
+        active, _ = ctx.resume_paused_requests(0, torch.tensor([2]))
+        assert active == 1 and table(ctx, 3) == [1, 2, 0]
+        assert cached(ctx)[3] == hashes(C)[0]  # the cached block survived
+
+
+def test_leaf_first_eviction_refuses_a_cyclic_forest_and_evicts_nothing():
+    """A block-hash collision could link two cached blocks as each other's parent."""
+    allocator = make_allocator("LRU", total_count=4)
+    blocks = allocator.allocate_memory_blocks(2).tolist()
+    allocator.block_hashes[torch.tensor(blocks)] = torch.tensor([11, 22])
+    allocator.kv_hash_to_block_id.update({11: blocks[0], 22: blocks[1]})
+    parent_id, child_count = prefix_forest(allocator)
+    parent_id[torch.tensor(blocks)] = torch.tensor(blocks[::-1])
+    child_count[torch.tensor(blocks)] = 1
+    allocator.block_ref_counts[torch.tensor(blocks)] = 0
+    with pytest.raises(PrefixForestError, match="found 0 evictable leaves of 1 needed among 2 cached"):
+        evict_leaves_first(allocator, 1)
+    assert allocator.kv_hash_to_block_id == {11: blocks[0], 22: blocks[1]}
+    assert free_ids(allocator) == [0]
