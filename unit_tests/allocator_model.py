@@ -164,6 +164,15 @@ class OwnerModel:
         for block in blocks:
             self.ts[block] = clock
 
+    def last_hashed_position(self, req: Request) -> tuple[int, int] | None:
+        """(position, block) of the request's last block holding its own prefix hash (matched
+        or registered by it), or None."""
+        for position in reversed(range(min(req.registered_upto, len(req.prompt), len(req.blocks)))):
+            block = req.blocks[position]
+            if self.hash_of.get(block) == prefix_hash(req.prompt, position):
+                return position, block
+        return None
+
     def registrable(self, req: Request, count: int) -> tuple[list[int], list[int], list[int], bool]:
         """The next (up to) ``count`` complete blocks of ``req`` to register, in position order.
 

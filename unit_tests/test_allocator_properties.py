@@ -11,7 +11,9 @@ of allocator operations, each one call into the allocator, in this order:
   their private (unhashed) blocks; sometimes every live request finishes (a drain);
 - registration: a later prefill chunk completes some of a request's blocks and their hashes are
   registered (``register_kv_block_hashes``, with ``parent_hashes`` where the release takes them:
-  0.19; detected with ``inspect.signature``);
+  0.19, or 0.17/0.18 with megatron-ext's leaf-first eviction); or a chunk that ended inside a
+  block the request holds by hash makes the next chunk register that block again (fault 5: a
+  no-op when registration is idempotent);
 - decode: one ``allocate_memory_blocks`` call for every request that needs one more block;
 - admission (``add_request``): match the longest cached prefix of the prompt by hash, pin the
   matched blocks (``block_ref_counts[ids] += 1`` and, under LRU, ``update_timestamps``), then
@@ -69,7 +71,7 @@ from megatron_ext.patches.lru_leaf_first_eviction import takes_parent_hashes
 from megatron_ext.patches.release_refcount import RELEASE
 
 from .allocator_factory import make_allocator
-from .allocator_model import OwnerModel, prefix_hash
+from .allocator_model import OwnerModel, parent_hash, prefix_hash
 from .conftest import UNPATCHED
 
 MIN_OPERATIONS = 10_000
@@ -116,7 +118,7 @@ class EnginePlan:
     - byte 0: 252-255: ``reset()`` first; 236-251: every live request finishes (a drain);
     - bytes 1-8: a nibble per live request (in request order, at most 16): 12-15 it finishes,
       10-11 it gets one decode block, 7-9 a later prefill chunk completes 1-3 more of its blocks
-      (their hashes are registered);
+      (their hashes are registered), 6 its last hashed block is registered again;
     - byte 9 seeds a shuffle of the released IDs (0: request order);
     - byte 10 % 4 requests arrive, request j described by bytes 11+4j .. 14+4j.
 
@@ -128,6 +130,7 @@ class EnginePlan:
     reset: bool
     finish: tuple[int, ...]  # indexes into the live requests (after a reset: none live)
     register: tuple[tuple[int, int], ...]  # (index, number of blocks)
+    register_again: tuple[int, ...]
     decode: tuple[int, ...]
     order: int
     arrivals: tuple[Arrival, ...]
@@ -153,6 +156,7 @@ class EnginePlan:
             reset=reset,
             finish=tuple(i for i, n in enumerate(nibbles) if n >= 12),
             register=tuple((i, n - 6) for i, n in enumerate(nibbles) if 7 <= n < 10),
+            register_again=tuple(i for i, n in enumerate(nibbles) if n == 6),
             decode=tuple(i for i, n in enumerate(nibbles) if 10 <= n < 12),
             order=plan[9],
             arrivals=arrivals,
@@ -366,6 +370,19 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.count("drains")
             self.check_drained()
 
+    def register_again(self, req) -> None:
+        """A chunk ended inside the request's last hashed block: the next chunk's ``add_request``
+        registers it again ("range 1"). Registration must change nothing (fault 5)."""
+        self.tick("re-registrations")
+        position, block = self.model.last_hashed_position(req)
+        h = prefix_hash(req.prompt, position)
+        self.say(f"  request {req.rid} registers its hashed block {block} again")
+        if self.takes_parent_hashes:
+            parent = parent_hash(req.prompt, position)
+            self.allocator.register_kv_block_hashes([block], [h], parent_hashes=[parent])
+        else:
+            self.allocator.register_kv_block_hashes([block], [h])
+
     def register_chunk(self, req, count: int) -> None:
         """A later prefill chunk completes some of a request's blocks: register their hashes."""
         self.tick("registrations")
@@ -406,6 +423,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             req = self.model.requests[rids[i]]
             if req.unregistered_complete():
                 operations.append(functools.partial(self.register_chunk, req, n))
+        for i in step.register_again:
+            req = self.model.requests[rids[i]]
+            if self.model.last_hashed_position(req) is not None:
+                operations.append(functools.partial(self.register_again, req))
         if step.decode:
             operations.append(functools.partial(self.decode, [rids[i] for i in step.decode]))
         operations += [functools.partial(self.admit, arrival) for arrival in step.arrivals]
@@ -451,6 +472,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert all(0 <= b < usable for b in free), f"free IDs {sorted(free)} include the dummy block"
         live = model.live()
         registered = set(model.hash_of)
+        for req in model.requests.values():  # fault 4 hands a matched block back as a new one
+            assert len(set(req.blocks)) == len(req.blocks), f"block table {req.blocks} repeats an ID"
         assert not set(free) & live, f"live blocks {sorted(set(free) & live)} are in the free pool"
         assert not set(free) & registered, f"cached blocks {sorted(set(free) & registered)} are free"
         assert len(free) + len(live | registered) == usable, (
@@ -477,6 +500,30 @@ class AllocatorMachine(RuleBasedStateMachine):
             for b in range(model.total_count):
                 assert parent_ids[b] == model.parent_block_of.get(b, -1), f"block_parent_id[{b}]"
                 assert child_counts[b] == children.get(b, 0), f"block_child_count[{b}]"
+            evictable = int(allocator.get_evictable_block_count())
+            freeable = leaf_peel_reach(model.cached(), parent_ids, child_counts)
+            assert evictable == freeable, (
+                f"get_evictable_block_count() = {evictable}, but leaf-first eviction can free only "
+                f"{freeable} of the cached blocks (child counts {child_counts})"
+            )
+
+
+def leaf_peel_reach(cached: set[int], parent_ids: list[int], child_counts: list[int]) -> int:
+    """How many of the ``cached`` blocks a leaf-first eviction can free, peeling by the
+    allocator's own ``block_parent_id`` / ``block_child_count`` (a parent whose child count
+    never reaches 0 stays, with its ancestors)."""
+    remaining = {b: child_counts[b] for b in cached}
+    leaves = [b for b, n in remaining.items() if n == 0]
+    freed = 0
+    while leaves:
+        block = leaves.pop()
+        freed += 1
+        parent = parent_ids[block]
+        if parent in remaining:
+            remaining[parent] -= 1
+            if remaining[parent] == 0:
+                leaves.append(parent)
+    return freed
 
 
 class RefZeroMachine(AllocatorMachine):
