@@ -8,30 +8,26 @@ from __future__ import annotations
 
 import pytest
 
+import megatron_ext
 from megatron_ext import mcore
 from megatron_ext.ab import run_ab
 from megatron_ext.cases import load_case, shipped_cases
 
 SERIES = mcore.release_series(mcore.installed_version())
 
-# 0.17/0.18 evict LRU blocks oldest-first without regard to the prefix chain, so a parent block
-# can be evicted before its cached child and the next hash match raises KeyError in
-# _find_kv_match_count. Upstream fixed the eviction order in 0.19 (leaf-first peel). This is a
-# third upstream fault, outside megatron-ext's two fixes; strict, so the test fails if it
-# ever stops happening.
-LRU_EVICTION_ORDER_FAULT = pytest.mark.xfail(
-    SERIES in ("0.17", "0.18"), strict=True,
-    reason="upstream LRU eviction-order fault of 0.17/0.18 (parent evicted before child -> KeyError)",
-)
-
-
-def case_param(name: str):
-    marks = [LRU_EVICTION_ORDER_FAULT] if name == "memory_pressure" else []
-    return pytest.param(name, marks=marks, id=name)
+#: The LRU fixes whose faults ``lru_pressure`` reaches on each release series, with what shows
+#: in the verdict when only that fix is left out (MEGATRON_EXT_SKIP).
+LRU_PRESSURE_FAULTS = {
+    "0.17": {"lru-leaf-first-eviction": "fix 3 fault (lru-leaf-first-eviction)",
+             "lru-pin-before-allocate": "fix 4 fault (lru-pin-before-allocate)",
+             "lru-resume-evictable": "active_request_count == 0 with no hidden chunked prefill"},
+    "0.19": {"lru-resume-evictable": "active_request_count == 0 with no hidden chunked prefill"},
+}
+LRU_PRESSURE_FAULTS["0.18"] = LRU_PRESSURE_FAULTS["0.17"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [case_param(n) for n in shipped_cases()])
+@pytest.mark.parametrize("name", shipped_cases())
 def test_case_patched_is_bit_identical_and_audit_clean(name):
     result = run_ab(load_case(name), patched=True)
     assert result.invariance[0], result.invariance[1]
@@ -39,7 +35,35 @@ def test_case_patched_is_bit_identical_and_audit_clean(name):
     assert result.bit_identical
     assert result.total("kv_write_violations") == 0
     assert result.total("refcount_violations") == 0
+    assert result.total("lru_violations") == 0
+    assert all(run.error is None for run in [result.baseline] + [p.run for p in result.policies])
     assert all(p.run.counters["prefill_tokens_skipped"] > 0 for p in result.policies)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fix", sorted(LRU_PRESSURE_FAULTS[SERIES]))
+def test_lru_pressure_reaches_the_fault_of_each_lru_fix(fix, monkeypatch):
+    """All runtime patches but ``fix``: the case must fail with that fix's fault."""
+    megatron_ext.revert()
+    monkeypatch.setenv("MEGATRON_EXT_SKIP", fix)
+    try:
+        result = run_ab(load_case("lru_pressure"), patched=True)
+    finally:
+        megatron_ext.revert()
+    skipped = next(p for p in result.patches if p["patch"] == fix)
+    assert skipped["state"] == "not applied"
+    assert LRU_PRESSURE_FAULTS[SERIES][fix] in " ".join(result.failures())
+    assert result.exit_code() == 1
+
+
+@pytest.mark.slow
+def test_lru_pressure_unpatched_fails_with_an_lru_fault():
+    result = run_ab(load_case("lru_pressure"), patched=False)
+    failures = " ".join(result.failures())
+    assert "active_request_count == 0 with no hidden chunked prefill" in failures  # fault 6, step 10
+    if SERIES in ("0.17", "0.18"):
+        assert "fix 3 fault (lru-leaf-first-eviction)" in failures
+    assert result.exit_code() == 1
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """``megatron-ext soak`` at CI size: a generated workload of shared prefixes under KV pressure.
 
-One ``soak`` command (caching off once, on per eviction policy) per test module; the tests then
+One ``soak`` command (caching off once, on per eviction policy) with chunked prefill on and one
+with it off; the tests then
 check its JSON exactly: every request of the workload ran, prefix caching on is bit-identical to
 off, no audit violation, nothing leaked at drain, blocks were matched, and the workload really
 pressed on the pool (requests paused or evicted, cached blocks evicted).
@@ -16,45 +17,21 @@ import os
 
 import pytest
 
-from megatron_ext import cli, mcore
+from megatron_ext import cli
 
-SERIES = mcore.release_series(mcore.installed_version())
 CI_REQUESTS, CI_SEED = 100, 0
 REQUESTS = int(os.environ.get("MEGATRON_EXT_SOAK_REQUESTS", str(CI_REQUESTS)))
 SEED = int(os.environ.get("MEGATRON_EXT_SOAK_SEED", str(CI_SEED)))
 
-# Upstream LRU faults outside megatron-ext's two fixes, with what megatron-core raises:
-# 0.17/0.18 evict a parent block before its cached child (KeyError in _find_kv_match_count, see
-# test_ab_cases.py); 0.19 counts a child twice when a later prefill chunk registers a block it got
-# by a hash match again, so after that child is evicted its parent never becomes an evictable leaf
-# and the leaf peel in evict_lru_blocks asserts ("parent graph is not a forest").
-LRU_FAULTS = {
-    "0.17": ("KeyError", "_find_kv_match_count"),
-    "0.18": ("KeyError", "_find_kv_match_count"),
-    "0.19": ("AssertionError: leaf peel evicted", "evict_lru_blocks"),
-}
-# Releases whose LRU run hits its fault at the CI size (measured): strict there, so the test
-# fails when that changes. Other sizes or seeds may or may not hit it: not strict then (at 2000
-# requests, seed 0, 0.18.2 hits its KeyError at step 327; 0.17.1 and 0.18.2 pass at the CI size).
-LRU_FAULT_AT_CI_SIZE = {"0.19"}
-AT_CI_SIZE = (REQUESTS, SEED) == (CI_REQUESTS, CI_SEED)
 
-
-class KnownUpstreamLRUFault(Exception):
-    """megatron-core raised the known LRU fault of this release (see LRU_FAULTS)."""
-
-
-def _hit_lru_fault(report: dict) -> bool:
-    error = _policy(report, "lru")["run"]["error"] or ""
-    return SERIES in LRU_FAULTS and all(part in error for part in LRU_FAULTS[SERIES])
-
-
-@pytest.fixture(scope="module")
-def soak(tmp_path_factory):
-    """``(exit code, JSON)`` of ``megatron-ext soak --requests REQUESTS --seed SEED``, patched."""
+@pytest.fixture(scope="module", params=["chunked prefill", "no chunked prefill"])
+def soak(request, tmp_path_factory):
+    """``(exit code, JSON)`` of ``megatron-ext soak --requests REQUESTS --seed SEED``, patched,
+    with chunked prefill on (the soak's default) and off."""
     path = tmp_path_factory.mktemp("soak") / "soak.json"
+    chunking = ["--no-chunked-prefill"] if request.param == "no chunked prefill" else []
     code = cli.main(["soak", "--requests", str(REQUESTS), "--seed", str(SEED), "--json", str(path),
-                     "--no-progress", "--width", "160"])
+                     "--no-progress", "--width", "160", *chunking])
     return code, json.loads(path.read_text())
 
 
@@ -74,6 +51,7 @@ def _assert_clean_and_stressed(report: dict, policy: str) -> None:
     assert entry["bit_identical"] and all(r["identical"] for r in entry["requests"])
     assert run["audit"]["kv_write_violations"] == 0
     assert run["audit"]["refcount_violations"] == 0  # drain included: nothing leaked
+    assert run["audit"]["lru_violations"] == 0
     assert 0 < run["audit"]["steps_checked"] <= run["steps"]  # idle steps are not audited
     assert run["counters"]["blocks_matched"] > 0 and run["counters"]["prefill_tokens_skipped"] > 0
     pressure = run["pressure"]
@@ -93,13 +71,9 @@ def test_soak_ref_zero_is_bit_identical_audit_clean_and_stressed(soak):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail((SERIES in LRU_FAULT_AT_CI_SIZE) if AT_CI_SIZE else (SERIES in LRU_FAULTS),
-                   raises=KnownUpstreamLRUFault, strict=AT_CI_SIZE,
-                   reason=f"upstream LRU fault of {SERIES}: {LRU_FAULTS.get(SERIES)}")
 def test_soak_lru_is_bit_identical_audit_clean_and_stressed(soak):
-    if _hit_lru_fault(soak[1]):
-        raise KnownUpstreamLRUFault(_policy(soak[1], "lru")["run"]["error"])
     _assert_clean_and_stressed(soak[1], "lru")
+    assert soak[1]["soak"]["runs"]["lru"]["error"] is None
 
 
 @pytest.mark.slow
@@ -107,8 +81,5 @@ def test_soak_exit_code_and_verdict(soak):
     code, report = soak
     assert report["soak"]["requests"] == REQUESTS
     assert report["kv_write_violations"] == 0 and report["refcount_violations"] == 0
-    if _hit_lru_fault(report):  # fails only for the LRU run, and says so
-        assert code == 1 and report["verdict"] == "fail"
-        assert report["failures"] and all("lru" in f for f in report["failures"]), report["failures"]
-    else:
-        assert code == 0 and report["verdict"] == "pass" and report["failures"] == []
+    assert report["lru_violations"] == 0
+    assert code == 0 and report["verdict"] == "pass" and report["failures"] == []

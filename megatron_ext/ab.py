@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 from . import mcore
 from .api import apply, revert
+from .audit import FAULT_OF_KIND
 from .cases import Case, plan_requests, validate_planned
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint
 from .compare import RequestDiff, RequestOutput, compare_runs
@@ -21,6 +22,13 @@ from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .engine import build_engine, build_model, ensure_model_parallel
 from .harness import RunRecord, drive
 from .tokenizer import ByteTokenizer
+
+#: Audit violation kinds of the LRU faults 3-5, and what a count of them means in a verdict.
+LRU_FAULT_VIOLATIONS = {
+    "prefix_chain": "cached blocks outlived their parent (a lookup of their prefix raises KeyError)",
+    "block_table": "block IDs held twice in one live block table (new KV overwrote matched KV)",
+    "child_count": "child counts that disagree with the registered blocks (parents never evictable)",
+}
 
 #: Exit codes of ``megatron-ext ab``.
 EXIT_OK, EXIT_DIVERGED, EXIT_NOT_INVARIANT = 0, 1, 3
@@ -96,6 +104,11 @@ class ABResult:
             problems.append(
                 f"fix 1 fault (release-refcount): {self.total('refcount_violations')} ref-count / "
                 "free-pool / drain violations (shared blocks leaked)")
+        for kind, what in LRU_FAULT_VIOLATIONS.items():
+            count = sum(run.audit.get("violations_by_kind", {}).get(kind, 0)
+                        for run in [self.baseline] + [p.run for p in self.policies])
+            if count:
+                problems.append(f"{FAULT_OF_KIND[kind]}: {count} {what}")
         for run in [self.baseline] + [p.run for p in self.policies]:
             if run.error:
                 problems.append(f"megatron-core raised in run {run.eviction_policy or 'caching off'} at {run.error}")
@@ -130,6 +143,7 @@ class ABResult:
             "num_requests": len(self.baseline.outputs),
             "kv_write_violations": self.total("kv_write_violations"),
             "refcount_violations": self.total("refcount_violations"),
+            "lru_violations": self.total("lru_violations"),
             "prefill_tokens_skipped": sum(p.run.counters.get("prefill_tokens_skipped", 0) for p in self.policies),
             "blocks_matched": sum(p.run.counters.get("blocks_matched", 0) for p in self.policies),
             "megatron_core_version": self.megatron_core_version,

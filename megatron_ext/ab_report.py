@@ -40,7 +40,7 @@ def summary_table(result: ABResult) -> Table:
     table = Table(title="runs, prefix-cache counters and audits")
     for column in ("run", "steps", "seconds", "cache hits", "blocks matched", "prefill tokens skipped",
                    "prefill tokens computed", "KV writes checked", "KV write violations",
-                   "ref-count violations"):
+                   "ref-count violations", "LRU violations"):
         table.add_column(column, justify="right" if column != "run" else "left")
     runs = [("A: caching off", result.baseline)] + [(f"B: caching on, {p.policy}", p.run) for p in result.policies]
     for name, run in runs:
@@ -52,6 +52,7 @@ def summary_table(result: ABResult) -> Table:
             str(audit.get("kv_writes_checked", 0)),
             _count(audit.get("kv_write_violations", 0)),
             _count(audit.get("refcount_violations", 0)) if run.prefix_caching else "n/a",
+            _count(audit.get("lru_violations", 0)) if run.prefix_caching else "n/a",
         )
     return table
 

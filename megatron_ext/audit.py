@@ -8,6 +8,12 @@
 * Ref-count audit: after every engine step each block's ref count equals the number of live
   owners (block tables of active, paused and mid-chunked-prefill requests), free IDs are unique and
   hold neither owners nor hashes; at drain every block is free or cached with ref count 0.
+* Block-table and prefix-chain audit (faults 3-5, LRU under memory pressure), after every step:
+  no live block table holds one block ID twice (fault 4: a matched block evicted and handed back
+  as a new one); every registered block's parent hash is registered too, else the next lookup of
+  that prefix raises ``KeyError`` (fault 3: a parent evicted before its child); where the
+  allocator keeps a prefix forest (``block_child_count``, 0.19 or fix 3), each block's child count
+  equals the registered blocks naming it parent (fault 5: a block registered twice).
 
 Besides the audits it measures how hard the run pressed on the KV pool (:attr:`ContextAudit.pressure`):
 peak blocks held by live requests, peak blocks outside the free pool, paused requests, and cached
@@ -24,13 +30,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from .mcore import uses_lru_prefix_caching
+
 
 @dataclass(frozen=True)
 class Violation:
     """One broken invariant.
 
     Attributes:
-        kind: ``kv_write``, ``ref_count``, ``free_pool`` or ``drain``.
+        kind: ``kv_write``, ``ref_count``, ``free_pool``, ``drain``, ``block_table``,
+            ``prefix_chain`` or ``child_count`` (see :data:`FAULT_OF_KIND`).
         step: engine step (0-based) at which it was seen.
         block: the KV block ID concerned.
         request_id: the request concerned (``kv_write`` only), else -1.
@@ -42,6 +51,17 @@ class Violation:
     block: int
     request_id: int
     detail: str
+
+
+#: Violation kind -> the megatron-ext fix whose fault it shows.
+FAULT_OF_KIND = {
+    "kv_write": "fix 2 fault (matched-block-writes)",
+    "ref_count": "fix 1 fault (release-refcount)", "free_pool": "fix 1 fault (release-refcount)",
+    "drain": "fix 1 fault (release-refcount)",
+    "block_table": "fix 4 fault (lru-pin-before-allocate)",
+    "prefix_chain": "fix 3 fault (lru-leaf-first-eviction)",
+    "child_count": "fix 5 fault (lru-register-once)",
+}
 
 
 @dataclass
@@ -72,6 +92,7 @@ class ContextAudit:
     _allocated_in_call: list[int] = field(default_factory=list)
     _paused_ids: set[int] = field(default_factory=set)
     _in_lru_eviction: bool = False
+    _parent_hash: dict[int, int] = field(default_factory=dict)  # block hash -> parent hash (0: root)
 
     # -- wiring ---------------------------------------------------------------------------------
 
@@ -88,6 +109,7 @@ class ContextAudit:
 
         def audited_add_request(req, prefill_chunk_length=None):
             self._allocated_in_call.clear()
+            self._learn_parent_hashes(req)
             row, finished = ctx.total_request_count, req.finished_chunk_token_count
             chunk = req.remaining_prompt_length if prefill_chunk_length is None else prefill_chunk_length
             first_token = ctx.active_token_count
@@ -207,8 +229,18 @@ class ContextAudit:
                                     f"block {block} has ref count {ref_counts[block]} but "
                                     f"{owners.get(block, 0)} live owners"))
         self._check_free_pool(owners)
+        self._check_block_tables()
+        self._check_prefix_chains()
         self.steps_checked += 1
         self.step += 1
+
+    def end_failed_step(self) -> None:
+        """After megatron-core raised mid-step: only the checks that hold at any point of a step
+        (block tables, prefix chains), so the fault behind the exception is named. Ref counts and
+        the free pool are not checked: a step cut short leaves them half updated."""
+        if self.check_ref_counts:
+            self._check_block_tables()
+            self._check_prefix_chains()
 
     def _note_pressure(self, owners: Counter) -> None:
         """Peak pool use and paused requests after this step (see :meth:`summary`)."""
@@ -237,6 +269,46 @@ class ContextAudit:
                 self._add(Violation("free_pool", self.step, block, -1,
                                     f"free block {block} has {owners.get(block, 0)} owners and "
                                     f"hash {hashes[block]}"))
+
+    # -- block-table and prefix-chain audit -----------------------------------------------------
+
+    def _learn_parent_hashes(self, req: Any) -> None:
+        """Record each block hash's parent hash from the request's chained block hashes."""
+        hashes = list(getattr(req, "precomputed_block_hashes", None) or [])
+        self._parent_hash.update(zip(hashes, [0] + hashes[:-1]))
+
+    def _check_block_tables(self) -> None:
+        ctx = self.context
+        for row in self.live_rows():
+            count = int(ctx.request_kv_block_counts[row])
+            table = [b for b in ctx.request_to_kv_block_ids[row][:count].tolist() if b >= 0]
+            for block, times in Counter(table).items():
+                if times > 1:
+                    request_id = int(ctx.request_ids[row])
+                    self._add(Violation("block_table", self.step, block, request_id,
+                                        f"request {request_id}'s block table holds block {block} "
+                                        f"{times} times"))
+
+    def _check_prefix_chains(self) -> None:
+        allocator = self.context.kv_block_allocator
+        hash_map = allocator.kv_hash_to_block_id
+        for block_hash, block in hash_map.items():
+            parent = self._parent_hash.get(block_hash, 0)
+            if parent != 0 and parent not in hash_map:
+                self._add(Violation("prefix_chain", self.step, block, -1,
+                                    f"cached block {block} outlived its parent block: a lookup of "
+                                    "its prefix raises KeyError"))
+        if not hasattr(allocator, "block_child_count") or not uses_lru_prefix_caching(allocator):
+            return
+        registered = [b for b, h in enumerate(allocator.block_hashes.tolist()) if h != -1]
+        parent_ids = allocator.block_parent_id.tolist()
+        named = Counter(parent_ids[b] for b in registered if parent_ids[b] >= 0)
+        for block, counted in enumerate(allocator.block_child_count.tolist()):
+            if counted != named.get(block, 0):
+                self._add(Violation("child_count", self.step, block, -1,
+                                    f"block {block} counts {counted} cached children but "
+                                    f"{named.get(block, 0)} registered blocks name it parent: it can "
+                                    "never be evicted, yet counts as evictable"))
 
     def drain(self) -> None:
         """At drain: every block is free or cached (hashed) with ref count 0, each exactly once."""
@@ -289,6 +361,8 @@ class ContextAudit:
                               "prefill_tokens_computed")},
             "kv_write_violations": self.count("kv_write"),
             "refcount_violations": self.count("ref_count", "free_pool", "drain"),
+            "lru_violations": self.count("block_table", "prefix_chain", "child_count"),
+            "violations_by_kind": dict(Counter(v.kind for v in self.violations)),
             "kv_writes_checked": self.kv_writes_checked,
             "steps_checked": self.steps_checked,
             "pressure": {k: int(self.pressure.get(k, 0)) for k in self.PRESSURE_KEYS},

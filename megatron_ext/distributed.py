@@ -81,6 +81,7 @@ def rank_verdict(result: Any) -> dict[str, Any]:
         "bit_identical": result.bit_identical,
         "kv_write_violations": result.total("kv_write_violations"),
         "refcount_violations": result.total("refcount_violations"),
+        "lru_violations": result.total("lru_violations"),
         "outputs_sha256": outputs_digest([result.baseline] + [p.run for p in result.policies]),
     }
 

@@ -143,6 +143,7 @@ def drive(
         raise
     except Exception as exc:  # megatron-core failed mid-run: report it with the step
         record.error = f"step {record.steps}: {describe_exception(exc)}"
+        audit.end_failed_step()
     finally:
         audit.detach()
     record.audit = audit.summary()

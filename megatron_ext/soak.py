@@ -176,6 +176,7 @@ def soak_summary(result: "ABResult") -> dict[str, Any]:
                                                 "requests_evicted", "cached_blocks_evicted")},
             "kv_write_violations": run.audit.get("kv_write_violations", 0),
             "refcount_violations": run.audit.get("refcount_violations", 0),
+            "lru_violations": run.audit.get("lru_violations", 0),
             "error": run.error,
         }
     return out

@@ -207,7 +207,7 @@ def evict_leaves_first(allocator: Any, num_blocks_needed: int) -> bool:
     if len(victims) < num_blocks_needed:
         raise PrefixForestError(
             f"LRU eviction found {len(victims)} evictable leaves of {num_blocks_needed} needed among "
-            f"{len(blocks)} cached blocks: the parent links hold a cycle (a block-hash collision)"
+            f"{len(blocks)} cached blocks: the parent links are not a forest (a block registered twice in one chain, or a block-hash collision)"
         )
     allocator._deregister_blocks(torch.tensor(victims, dtype=cached.dtype, device=cached.device))
     return True
