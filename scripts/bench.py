@@ -19,6 +19,10 @@ temporary directory. Sections:
 3. end to end: engine step time of the default `ab` case on the CPU backend, patched vs
    unpatched (0.18.2 and 0.19.2). Target: <= 1.02.
 4. scaling: release cost vs pool size and vs released IDs (from section 1).
+5. LRU under memory pressure: section 3 on the memory_pressure case with the LRU eviction policy
+   (cached blocks evicted on admission, leaf-first eviction, resume into evictable blocks),
+   patched vs unpatched (0.18.2 and 0.19.2; rows whose unpatched run raises, the LRU faults of
+   0.17/0.18, are n/a). Target: <= 1.02.
 
 Every timed call records both the wall clock (time.perf_counter_ns) and the calling thread's
 CPU time (time.thread_time_ns; torch runs on one intra-op thread). Verdicts use --clock (default
@@ -27,10 +31,10 @@ run one at a time, pinned to one CPU after start-up (--cpu), and variants are in
 short batches, round by round, so that load on the machine hits every variant alike.
 
 JSON (--json): {"meta": machine, settings, releases (tree, patch states), stage_s, total_s;
-"release" / "add_request" / "e2e": {"target", "clock", "rows": [...]}; "scaling": {"rows"}}.
+"release" / "add_request" / "e2e" / "lru": {"target", "clock", "rows": [...]}; "scaling": {"rows"}}.
 Each row has "variants" (per variant: {"cpu_us"|"wall_us": {median, q1, q3, iqr, min, max, n}}),
 "ratios" (e.g. "patched/upstream": {"cpu", "wall", "rounds_cpu": spread of per-round ratios}) and
-"verdict" (PASS / FAIL; e2e rows whose two runs did different work: n/a).
+"verdict" (PASS / FAIL; e2e / lru rows whose two runs did different work or raised: n/a).
 Exit status: 0 when the run completed (whatever the verdicts; --strict: 1 if any FAILs), 2 on error.
 """
 
@@ -86,6 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "CPU; -1: no pinning)")
     parser.add_argument("--release-rounds", type=int, help="override section 1's rounds")
     parser.add_argument("--e2e-runs", type=int, help="override section 3's runs per variant")
+    parser.add_argument("--lru-runs", type=int, help="override section 5's runs per variant")
     parser.add_argument("--sections", type=section_list, default=list(SECTIONS), metavar="NAMES",
                         help=f"comma-separated sections to run (default: all: {','.join(SECTIONS)}; "
                              "scaling comes with release)")
@@ -104,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         config.release_rounds = args.release_rounds
     if args.e2e_runs:
         config.e2e_runs = args.e2e_runs
+    if args.lru_runs:
+        config.lru_runs = args.lru_runs
     console = Console(width=max(Console().width, 220) if not sys.stdout.isatty() else None)
     err = Console(stderr=True, soft_wrap=True)
     progress = (lambda message: None) if args.quiet else (lambda message: err.print(f"[dim]{message}[/]"))

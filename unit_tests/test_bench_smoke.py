@@ -41,7 +41,8 @@ def test_short_bench_prints_the_tables_and_writes_every_section(tmp_path):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for title in ("1. Release path", "2. KV-append redirect", "3. End to end", "4a. Release cost vs pool size"):
+    for title in ("1. Release path", "2. KV-append redirect", "3. End to end", "4a. Release cost vs pool size",
+                  "5. LRU under memory pressure"):
         assert title in done.stdout, done.stdout[-3000:]
 
     report = json.loads(report_path.read_text())
@@ -76,6 +77,16 @@ def test_short_bench_prints_the_tables_and_writes_every_section(tmp_path):
             for key in ("step_cpu_us", "step_wall_us", "run_cpu_ms", "run_wall_ms"):
                 _stats_ok(row["variants"][variant][key])
         _ratio_ok(row["ratios"]["patched/unpatched"])
+        assert row["verdict"] in ("PASS", "FAIL")
+
+    lru = report["lru"]["rows"]
+    assert [(r["release"], r["policy"]) for r in lru] == [("0.19.2", "lru")]
+    for row in lru:  # 0.19.2 unpatched survives this case: a real ratio
+        assert row["errors"] == {"unpatched": None, "patched": None}
+        assert row["same_work"] and row["same_outputs"]
+        _ratio_ok(row["ratios"]["patched/unpatched"])
+        calls = row["variants"]["patched"]["inside_calls"]
+        assert calls["add_request"] > 0 and calls["resume_paused_requests"] > 0
         assert row["verdict"] in ("PASS", "FAIL")
 
     scaling = report["scaling"]["rows"]

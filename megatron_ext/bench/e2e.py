@@ -19,7 +19,7 @@ from typing import Any
 from ..ab import backend
 from ..cases import Case, load_case, plan_requests
 from ..engine import build_engine, build_model, ensure_model_parallel
-from ..harness import MAX_STEPS_PER_REQUEST, EngineStuckError, sampling_params
+from ..harness import MAX_STEPS_PER_REQUEST, EngineStuckError, describe_exception, sampling_params
 from ..tokenizer import ByteTokenizer
 
 
@@ -50,36 +50,49 @@ class _Counters:
 
 
 class _InsideTimer:
-    """Thread CPU time spent inside the two patched functions during a run.
+    """Thread CPU time spent inside the functions megatron-ext's runtime patches wrap, during a run.
 
-    Installed on the instances (``context.add_request``, ``allocator.release_memory_blocks``)
-    as the audit does, around whatever the class holds (patched or not): the difference between
-    the patched and the unpatched runs is what the patches cost inside the engine, measured on
-    ~10 ms of calls instead of a whole run, so it resolves far below the run-to-run noise.
-    The timer's own cost (two clock reads per call) is the same in both variants.
+    Installed on the instances (``context.add_request`` and the other wrapped context and
+    allocator methods) as the audit does, around whatever the class holds (patched or not): the
+    difference between the patched and the unpatched runs is what the patches cost inside the
+    engine, measured on the calls alone instead of a whole run, so it resolves far below the
+    run-to-run noise. Only outermost calls count (``add_request`` calls ``evict_lru_blocks``
+    through allocation; that time is ``add_request``'s), so the totals add up. The timer's own
+    cost (two clock reads per call) is the same in both variants.
     """
 
+    CONTEXT = ("add_request", "check_availability", "resume_paused_requests")
+    ALLOCATOR = ("release_memory_blocks", "register_kv_block_hashes", "evict_lru_blocks",
+                 "_deregister_blocks")
+
     def __init__(self, context: Any) -> None:
-        self.ns = {"add_request": 0, "release_memory_blocks": 0}
-        self.calls = {"add_request": 0, "release_memory_blocks": 0}
-        self._wrap(context, "add_request")
-        self._wrap(context.kv_block_allocator, "release_memory_blocks")
+        names = self.CONTEXT + self.ALLOCATOR
+        self.ns = dict.fromkeys(names, 0)
+        self.calls = dict.fromkeys(names, 0)
+        self._depth = 0
+        for name in self.CONTEXT:
+            self._wrap(context, name)
+        for name in self.ALLOCATOR:
+            self._wrap(context.kv_block_allocator, name)
 
     def _wrap(self, owner: Any, name: str) -> None:
         bound = getattr(owner, name)
         cpu_clock = time.thread_time_ns
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            self._depth += 1
             start = cpu_clock()
             try:
                 return bound(*args, **kwargs)
             finally:
-                self.ns[name] += cpu_clock() - start
-                self.calls[name] += 1
+                self._depth -= 1
+                if self._depth == 0:
+                    self.ns[name] += cpu_clock() - start
+                    self.calls[name] += 1
 
         setattr(owner, name, timed)
 
-    def totals(self) -> dict[str, int]:
+    def totals(self) -> dict[str, dict[str, int]]:
         return {"inside_cpu_ns": dict(self.ns), "inside_calls": dict(self.calls)}
 
 
@@ -104,16 +117,42 @@ class EndToEndBench:
         """One run with prefix caching on under ``policy``; per-step wall and CPU ns, and what it did."""
         engine, context = build_engine(self.model, self.case, True, policy)
         inside = _InsideTimer(context)
-        waiting = deque(self.planned)
-        live: set[int] = set()
         wall: list[int] = []
         cpu: list[int] = []
         outputs: dict[int, list[int]] = {}
+        counters = _Counters(context)
+        error = None
+        gc.collect()
+        try:
+            self._loop(engine, wall, cpu, outputs, counters)
+        except EngineStuckError:
+            raise
+        except Exception as exc:  # the unpatched run of a faulty release: report, do not time
+            error = describe_exception(exc)
+        digest = hashlib.sha256(repr(sorted(outputs.items())).encode()).hexdigest()[:12]
+        return {
+            "step_wall_ns": wall,
+            "step_cpu_ns": cpu,
+            "engine_steps": len(wall),
+            "requests": len(outputs),
+            # 0.18+ engines drain the context's counter into their own every step; 0.17 does not.
+            "blocks_matched": int(getattr(engine, "_prefix_cache_blocks_matched", 0))
+            + int(context.prefix_cache_blocks_matched),
+            "prefill_tokens_computed": counters.totals["lifetime_prefill_token_count"],
+            "outputs_digest": digest,
+            "error": error,
+            **inside.totals(),
+        }
+
+    def _loop(self, engine: Any, wall: list[int], cpu: list[int], outputs: dict[int, list[int]],
+              counters: _Counters) -> None:
+        """Add requests at their arrival steps and time each ``engine.step_modern()`` alone
+        (appending ns to ``wall`` / ``cpu``, generated tokens to ``outputs``)."""
+        waiting = deque(self.planned)
+        live: set[int] = set()
         steps = 0
         budget = MAX_STEPS_PER_REQUEST * len(self.planned)
         clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
-        counters = _Counters(context)
-        gc.collect()
         while waiting or live:
             while waiting and waiting[0].arrival_step <= steps:
                 request = waiting.popleft()
@@ -136,16 +175,3 @@ class EndToEndBench:
             steps += 1
             if steps > budget:
                 raise EngineStuckError(f"case '{self.case.name}': no progress after {steps} steps")
-        digest = hashlib.sha256(repr(sorted(outputs.items())).encode()).hexdigest()[:12]
-        return {
-            "step_wall_ns": wall,
-            "step_cpu_ns": cpu,
-            "engine_steps": len(wall),
-            "requests": len(outputs),
-            # 0.18+ engines drain the context's counter into their own every step; 0.17 does not.
-            "blocks_matched": int(getattr(engine, "_prefix_cache_blocks_matched", 0))
-            + int(context.prefix_cache_blocks_matched),
-            "prefill_tokens_computed": counters.totals["lifetime_prefill_token_count"],
-            "outputs_digest": digest,
-            **inside.totals(),
-        }

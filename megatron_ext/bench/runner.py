@@ -28,11 +28,11 @@ from .trees import DEFAULT_SEARCH, REPO, find_tree
 PATCHED_RELEASE = "0.18.2"   # has both faults: the runtime patches apply in full
 UPSTREAM_RELEASE = "0.19.2"  # carries upstream's fix 1 (release_memory_blocks)
 
-TARGETS = {"release": 1.10, "add_request": 1.05, "e2e": 1.02}
+TARGETS = {"release": 1.10, "add_request": 1.05, "e2e": 1.02, "lru": 1.02}
 
 
 #: The timed sections, by the names ``--sections`` accepts.
-SECTIONS = ("release", "add_request", "e2e")
+SECTIONS = ("release", "add_request", "e2e", "lru")
 
 
 @dataclass
@@ -62,6 +62,11 @@ class Settings:
     e2e_policies: Optional[list[str]] = None  # None: every policy the case lists
     e2e_runs: int = 12
     e2e_warmup: bool = True
+    # Section 5: LRU under memory pressure (the LRU fixes' wrappers at work). A case whose
+    # unpatched run survives on 0.19.2; on 0.17/0.18 megatron-core raises unpatched (n/a rows).
+    lru_case: str = "memory_pressure"
+    lru_releases: list[str] = field(default_factory=lambda: [PATCHED_RELEASE, UPSTREAM_RELEASE])
+    lru_runs: int = 12
     # Sections to run, in this order; scaling (section 4) comes with "release".
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
 
@@ -73,6 +78,7 @@ def settings(short: bool) -> Settings:
         short=True, pools=[1024, 4096], ids=[1, 64], release_rounds=3, release_batch=4,
         add_releases=[UPSTREAM_RELEASE], add_lengths=[64, 128], add_rounds=2, add_batch=2,
         e2e_releases=[PATCHED_RELEASE], e2e_policies=["ref_zero"], e2e_runs=1, e2e_warmup=False,
+        lru_releases=[UPSTREAM_RELEASE], lru_runs=1,
     )
 
 
@@ -222,7 +228,8 @@ class Bench:
 
     def start_workers(self) -> None:
         c = self.config
-        versions = sorted({PATCHED_RELEASE, UPSTREAM_RELEASE, *c.add_releases, *c.e2e_releases})
+        versions = sorted({PATCHED_RELEASE, UPSTREAM_RELEASE, *c.add_releases, *c.e2e_releases,
+                           *c.lru_releases})
         for version in versions:
             tree, source = find_tree(version, self.search, self.scratch)
             self.trees[version] = {"path": str(tree), "source": source}
@@ -334,27 +341,42 @@ class Bench:
 
     def e2e_section(self) -> dict[str, Any]:
         c = self.config
+        return self._engine_section("e2e", c.e2e_case, c.e2e_releases, c.e2e_policies, c.e2e_runs,
+                                    c.e2e_warmup, shorten=c.short)
+
+    # -- section 5 -----------------------------------------------------------------------------
+
+    def lru_section(self) -> dict[str, Any]:
+        """Section 3's measurement on an LRU workload under memory pressure, full size always
+        (a shortened case would not evict)."""
+        c = self.config
+        return self._engine_section("lru", c.lru_case, c.lru_releases, ["lru"], c.lru_runs,
+                                    c.e2e_warmup, shorten=False)
+
+    def _engine_section(self, name: str, case: str, releases: list[str], policies: Optional[list[str]],
+                        runs_per_variant: int, warmup: bool, shorten: bool) -> dict[str, Any]:
+        """Engine step time of ``case``, patched vs unpatched, per release and policy (None: the
+        case's policies); the two variants alternate run by run."""
         rows = []
         setup_info = {}
-        for version in c.e2e_releases:
+        for version in releases:
             worker = self.workers[version]
-            self.progress(f"end to end: {version}: building model ({c.e2e_case})")
-            setup = worker.call("e2e_setup", case=c.e2e_case, short=c.short)
+            self.progress(f"{name}: {version}: building model ({case})")
+            setup = worker.call("e2e_setup", case=case, short=shorten)
             setup_info[version] = setup
-            policies = c.e2e_policies or setup["policies"]
-            for policy in policies:
-                if c.e2e_warmup:
+            for policy in policies or setup["policies"]:
+                if warmup:
                     for variant in ("unpatched", "patched"):
                         worker.call("e2e_run", variant=variant, policy=policy)
                 runs: dict[str, list[dict]] = {"unpatched": [], "patched": []}
-                for r in range(c.e2e_runs):
+                for r in range(runs_per_variant):
                     order = ["unpatched", "patched"] if r % 2 == 0 else ["patched", "unpatched"]
                     for variant in order:
-                        self.progress(f"end to end: {version} {policy} run {r + 1}/{c.e2e_runs} {variant}")
+                        self.progress(f"{name}: {version} {policy} run {r + 1}/{runs_per_variant} {variant}")
                         runs[variant].append(worker.call("e2e_run", variant=variant, policy=policy))
-                rows.append(_e2e_row(version, policy, runs, c.clock))
-        return {"target": TARGETS["e2e"], "clock": c.clock, "case": c.e2e_case, "short_case": c.short,
-                "runs": c.e2e_runs, "setup": setup_info, "rows": rows}
+                rows.append(_e2e_row(version, policy, runs, self.config.clock, TARGETS[name]))
+        return {"target": TARGETS[name], "clock": self.config.clock, "case": case, "short_case": shorten,
+                "runs": runs_per_variant, "setup": setup_info, "rows": rows}
 
     # -- section 4 -----------------------------------------------------------------------------
 
@@ -409,7 +431,8 @@ def _run_estimates(records: list[dict], key: str) -> dict[str, float]:
     }
 
 
-def _e2e_row(version: str, policy: str, runs: dict[str, list[dict]], clock: str) -> dict[str, Any]:
+def _e2e_row(version: str, policy: str, runs: dict[str, list[dict]], clock: str,
+             target: float) -> dict[str, Any]:
     variants = {}
     for variant, records in runs.items():
         variants[variant] = {
@@ -453,15 +476,19 @@ def _e2e_row(version: str, policy: str, runs: dict[str, list[dict]], clock: str)
     ratio["attributed_extra_ms"] = extra_ms
     same_work = all(patched[k] == unpatched[k]
                     for k in ("engine_steps", "blocks_matched", "prefill_tokens_computed"))
+    errors = {variant: next((r["error"] for r in records if r.get("error")), None)
+              for variant, records in runs.items()}
     return {
         "release": version, "policy": policy, "runs": len(runs["patched"]),
         "variants": variants,
         "ratios": {"patched/unpatched": ratio},
         "same_work": same_work,
         "same_outputs": patched["outputs_digest"] == unpatched["outputs_digest"],
-        # Unpatched 0.17/0.18 leak shared blocks (fix 1), which a later request can then match:
-        # the two runs do different work and the ratio measures the fault, not the patch.
-        "verdict": verdict(ratio[clock], TARGETS["e2e"]) if same_work else "n/a",
+        "errors": errors,
+        # Unpatched 0.17/0.18 leak shared blocks (fix 1), which a later request can then match,
+        # or raise under LRU (faults 3-6): the two runs do different work and the ratio measures
+        # the fault, not the patch.
+        "verdict": verdict(ratio[clock], target) if same_work and not any(errors.values()) else "n/a",
     }
 
 
@@ -490,7 +517,7 @@ def run(config: Settings, search: list[Path] | None = None, progress: Callable[[
         report["meta"]["releases"] = bench.trees
         report["meta"]["workers_pinned_to_cpu"] = bench.pinned_cpu
         sections = {"release": bench.release_section, "add_request": bench.add_request_section,
-                    "e2e": bench.e2e_section}
+                    "e2e": bench.e2e_section, "lru": bench.lru_section}
         for name in config.sections:
             report[name] = stage(name, sections[name])
         if "release" in report:
