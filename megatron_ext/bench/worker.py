@@ -31,10 +31,13 @@ class Worker:
 
         torch.set_num_threads(1)
         self.torch = torch
-        allocator = mcore.import_module(mcore.KV_BLOCK_ALLOCATOR_MODULE).KVBlockAllocator
-        context = mcore.import_module(mcore.DYNAMIC_CONTEXT_MODULE).DynamicInferenceContext
-        self.targets = {"release": (allocator, "release_memory_blocks"),
-                        "add_request": (context, "add_request")}
+        from megatron_ext.patches import ALL_PATCHES
+
+        # Every function any patch wraps, by qualified name; "release" and "add_request" are the
+        # two sections 1 and 2 time on their own.
+        self.targets = {t.qualname: (t.owner(), t.attribute) for p in ALL_PATCHES for t in p.wrappers()}
+        self.targets["release"] = self.targets["KVBlockAllocator.release_memory_blocks"]
+        self.targets["add_request"] = self.targets["DynamicInferenceContext.add_request"]
         megatron_ext.revert()
         self.functions = {"unpatched": {k: c.__dict__[a] for k, (c, a) in self.targets.items()}}
         results = megatron_ext.apply()
