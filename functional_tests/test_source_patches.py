@@ -3,8 +3,10 @@
 For each release of the installed release's series (so CI's three runs cover all six supported
 releases once), a pristine copy of the release's wheel gets the source patches; then, in a
 subprocess importing that copy:
-- ``megatron-ext status`` reports both runtime patches "not needed" (the fix is detected in
-  the code: by the release probe for fix 1, by the recorded source-patched fingerprint for fix 2);
+- ``megatron-ext status`` reports all six runtime patches "not needed" (the fix is detected in
+  the code: by a probe of the code's behaviour for fixes 1, 3 and 5, by the signature of
+  ``is_memory_available`` for fix 4, by the recorded source-patched fingerprint for fixes 2
+  and 6);
 - the unit tests that check the runtime patches pass there without them being applied: the
   consistency check between runtime and source patches;
 - the default ``ab`` case is bit-identical and audit-clean.
@@ -67,10 +69,12 @@ def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(ver
     payload = json.loads(status.stdout)
     assert payload["megatron_core_version"] == version
     assert {p["patch"]: p["state"] for p in payload["patches"]} == {
-        "release-refcount": "not needed", "matched-block-writes": "not needed"}
+        name: "not needed" for name in (
+            "release-refcount", "lru-leaf-first-eviction", "lru-register-once",
+            "lru-pin-before-allocate", "matched-block-writes", "lru-resume-evictable")}
     tests = run_with(tree, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                      "unit_tests/test_release_refcount.py", "unit_tests/test_matched_block_writes.py",
-                     "unit_tests/test_faults.py")
+                     "unit_tests/test_faults.py", "unit_tests/test_lru_faults.py")
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and "failed" not in tests.stdout
 

@@ -15,7 +15,7 @@ TOKENIZER = ByteTokenizer()
 
 def test_shipped_cases():
     assert shipped_cases() == [
-        "chunked_prefill", "memory_pressure", "multi_turn_chat", "rl_rollouts", "shared_system_prompt",
+        "chunked_prefill", "lru_pressure", "memory_pressure", "multi_turn_chat", "rl_rollouts", "shared_system_prompt",
     ]
 
 

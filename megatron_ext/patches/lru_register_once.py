@@ -55,19 +55,22 @@ def _register_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: di
 
 
 def probe_double_registration(register: Callable) -> tuple[bool, str]:
-    """Register block 1 (child of block 0) twice on a real LRU allocator; report the child count.
+    """Register block 1 (child of block 0) twice on a stand-in LRU allocator; report the child count.
 
-    Returns ``(counts_twice, evidence)``. Builds a 4-block ``KVBlockAllocator`` around a stand-in
-    context (0.19 keeps its bookkeeping on the CPU).
+    The stand-in holds the state ``register_kv_block_hashes`` reads and writes (CPU tensors, so
+    the probe runs without a GPU on every release). Returns ``(counts_twice, evidence)``.
     """
-    allocator_cls = import_module(KV_BLOCK_ALLOCATOR_MODULE).KVBlockAllocator
     policy = import_module("megatron.core.inference.config").PrefixCachingEvictionPolicy
-    allocator = allocator_cls(types.SimpleNamespace(prefix_cache_lru_clock=1, block_size_tokens=16),
-                              total_count=4, paused_count=0, enable_prefix_caching=True,
-                              prefix_caching_eviction_policy=policy.LRU)
-    register(allocator, [0, 1], [11, 22], [0, 11])
-    register(allocator, [1], [22], [11])
-    children = int(allocator.block_child_count[0])
+    stand_in = types.SimpleNamespace(
+        prefix_caching_eviction_policy=policy.LRU,
+        block_hashes=torch.full((4,), -1, dtype=torch.int64),
+        kv_hash_to_block_id={},
+        block_parent_id=torch.full((4,), -1, dtype=torch.int64),
+        block_child_count=torch.zeros(4, dtype=torch.int64),
+    )
+    register(stand_in, [0, 1], [11, 22], [0, 11])
+    register(stand_in, [1], [22], [11])
+    children = int(stand_in.block_child_count[0])
     return children != 1, f"probe: block 1 (parent 0) registered twice -> block 0 child count {children}"
 
 

@@ -33,8 +33,9 @@ _RESUME = {"DynamicInferenceContext.resume_paused_requests": "3d81b934d0821f73",
 FINGERPRINTS = {release: _RESUME for release in
                 ("0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2")}
 
-#: ``resume_paused_requests`` after the source patch of ``patches/`` (already fixed code).
-SOURCE_PATCHED_FINGERPRINTS: dict[str, str] = {}
+#: ``resume_paused_requests`` after the source patches of ``patches/`` (already fixed code);
+#: recorded with ``scripts/record_fingerprints.py --source-patched``.
+SOURCE_PATCHED_FINGERPRINTS: dict[str, str] = {release: "2adedff833ff161a" for release in FINGERPRINTS}
 
 
 def resumable_request_count(context: Any, active_request_count: int, block_budget: int) -> int:

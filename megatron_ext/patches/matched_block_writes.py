@@ -59,10 +59,10 @@ FINGERPRINTS = {
 #: ``add_request`` after the source patch of ``patches/`` (scripts/record_fingerprints.py
 #: --source-patched): code that already has the fix, so the runtime patch is not needed.
 SOURCE_PATCHED_FINGERPRINTS = {
-    "0.17.0": "7c708c069d6a87a9",
-    "0.17.1": "7c708c069d6a87a9",
-    "0.18.0": "94fea459285700b8",
-    "0.18.2": "94fea459285700b8",
+    "0.17.0": "4b5c23b4090091de",
+    "0.17.1": "4b5c23b4090091de",
+    "0.18.0": "acf1424e49369b76",
+    "0.18.2": "acf1424e49369b76",
     "0.19.0": "b38d4e85147ba316",
     "0.19.2": "b38d4e85147ba316",
 }
