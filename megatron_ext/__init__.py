@@ -3,21 +3,47 @@
 ``apply()`` applies the runtime patches the installed release needs, ``revert()`` restores the
 originals, ``status()`` reports without changing anything. ``import megatron_ext.auto`` applies
 them in one line; ``MEGATRON_EXT_AUTO=1`` applies them with no code change at all.
+
+Importing this package imports nothing beyond the standard library: the names below load on first
+use (PEP 562), so the start-up hook, ``megatron-ext --help`` and argument errors never pay for
+torch or megatron-core.
 """
 
-from .api import apply, revert, status
-from .errors import MegatronCoreNotFoundError, MegatronExtError, PatchRefusedError
-from .patching import PatchResult, PatchState
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "apply",
-    "revert",
-    "status",
-    "PatchResult",
-    "PatchState",
-    "MegatronExtError",
-    "MegatronCoreNotFoundError",
-    "PatchRefusedError",
-]
+# Public name -> submodule that defines it; loaded on first attribute access.
+_LAZY = {
+    "apply": "api",
+    "revert": "api",
+    "status": "api",
+    "PatchResult": "patching",
+    "PatchState": "patching",
+    "MegatronExtError": "errors",
+    "MegatronCoreNotFoundError": "errors",
+    "PatchRefusedError": "errors",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name from its submodule on first access (PEP 562).
+
+    Raises:
+        AttributeError: ``name`` is not a public name of megatron_ext.
+    """
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megatron_ext' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

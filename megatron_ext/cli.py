@@ -14,7 +14,6 @@ from rich.console import Console
 from rich.table import Table
 
 from . import mcore
-from .api import status
 from .errors import MegatronExtError
 from .patching import PatchResult
 
@@ -44,6 +43,8 @@ def _status_table(version: str, results: list[PatchResult]) -> Table:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Print installed megatron-core version and each patch's state. Exit 1 if any is refused."""
+    from .api import status  # imports torch and megatron-core: only the commands that need it pay
+
     version = mcore.installed_version()
     results = status(force=args.force or None)
     if args.json:

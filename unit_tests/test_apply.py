@@ -271,6 +271,45 @@ def test_environment_variable_applies_at_import_with_no_code_change():
     assert "megatron-ext" not in untouched.stderr
 
 
+HEAVY_MODULES_LOADED = (
+    "import sys; print(sorted(m for m in ('torch', 'megatron', 'numpy') if m in sys.modules))"
+)
+
+
+def test_environment_variable_imports_neither_torch_nor_megatron_at_start_up():
+    # A job sets MEGATRON_EXT_AUTO=1 for every process (data-loader workers, launch scripts):
+    # start-up must only register the import hook; the patches load with megatron-core.
+    done = run_python(HEAVY_MODULES_LOADED, MEGATRON_EXT_AUTO="1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    assert done.stderr == ""
+
+
+def test_package_and_cli_import_without_torch():
+    done = run_python("import megatron_ext, megatron_ext.cli; " + HEAVY_MODULES_LOADED)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    help_run = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_ext", "--help"],
+                              capture_output=True, text=True, timeout=120)
+    assert help_run.returncode == 0
+    assert "usage: megatron-ext" in help_run.stdout
+    imported = {line.split("|")[-1].strip() for line in help_run.stderr.splitlines()}
+    assert "torch" not in imported and "megatron" not in imported
+
+
+def test_lazy_attributes_are_the_real_objects():
+    import megatron_ext
+    from megatron_ext import api, errors, patching
+
+    assert megatron_ext.apply is api.apply
+    assert megatron_ext.status is api.status
+    assert megatron_ext.PatchState is patching.PatchState
+    assert megatron_ext.PatchRefusedError is errors.PatchRefusedError
+    assert set(megatron_ext.__all__) <= set(dir(megatron_ext))
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        megatron_ext.nonexistent  # noqa: B018
+
+
 def test_import_auto_applies():
     done = run_python("import megatron_ext.auto; " + CHECK_WRAPPED)
     assert done.returncode == 0, done.stderr
