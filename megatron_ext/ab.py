@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 from . import mcore
 from .api import apply, revert
+from .errors import DeviceUnavailableError
 from .audit import FAULT_OF_KIND
 from .cases import Case, plan_requests, validate_planned
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint
@@ -190,13 +191,15 @@ def backend(device: str) -> Iterator[tuple[bool, str]]:
     ``cuda``: the GPU as it is; bit-identity then relies on the kernels the user configured.
 
     Raises:
-        RuntimeError: ``cuda`` asked for but no CUDA device is available.
+        DeviceUnavailableError: ``cuda`` asked for but no CUDA device is available.
     """
     if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda: no CUDA device is available here; use --device cpu")
+            raise DeviceUnavailableError("--device cuda: no CUDA device is available here (torch "
+                                         f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                                         "use --device cpu, or run on a machine with a GPU")
         yield True, "not checked on cuda (configure megatron-core's batch_invariant_mode yourself)"
         return
     import torch
@@ -220,6 +223,7 @@ def run_ab(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     load: Union[PathLike, CheckpointSource, None] = None,
+    on_run: Optional[Callable[[RunRecord], None]] = None,
 ) -> ABResult:
     """Run A (caching off) and B (caching on, per policy) and compare.
 
@@ -233,6 +237,7 @@ def run_ab(
         load: a Megatron distributed checkpoint (or Megatron-LM save directory) loaded into the
             model after it is built from ``case.model`` and before any engine run; A and B both
             use these weights (:func:`megatron_ext.checkpoint.load_checkpoint`).
+        on_run: called with each run's :class:`RunRecord` when it ends (progress lines in logs).
 
     Raises:
         MegatronCoreNotFoundError, CaseFileError (prompt too long or empty), WorkloadError (see
@@ -250,18 +255,19 @@ def run_ab(
         ensure_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
         model = build_model(case)
         checkpoint = None if load is None else load_checkpoint(model, load, case.name)
-        baseline = _one_run(model, case, planned, False, case.prefix_caching_eviction_policies[0], on_step)
+        baseline = _one_run(model, case, planned, False, case.prefix_caching_eviction_policies[0], on_step,
+                            on_run)
         result = ABResult(case, mcore.installed_version(), device, patches, invariance, baseline,
                           checkpoint=checkpoint)
         for policy in case.prefix_caching_eviction_policies:
-            run = _one_run(model, case, planned, True, policy, on_step)
+            run = _one_run(model, case, planned, True, policy, on_step, on_run)
             result.policies.append(PolicyResult(policy, run, compare_runs(baseline.outputs, run.outputs)))
     result.ranks = gather_ranks(result)
     result.wall_s = time.perf_counter() - started
     return result
 
 
-def _one_run(model, case, planned, prefix_caching, policy, on_step) -> RunRecord:
+def _one_run(model, case, planned, prefix_caching, policy, on_step, on_run) -> RunRecord:
     started = time.perf_counter()
     engine, context = build_engine(model, case, prefix_caching, policy)
     record = RunRecord(prefix_caching, policy if prefix_caching else None)
@@ -273,4 +279,6 @@ def _one_run(model, case, planned, prefix_caching, policy, on_step) -> RunRecord
         record.outputs.setdefault(request.request_id, RequestOutput(
             request.request_id, request.label, len(request.prompt_tokens)))
     record.wall_s = time.perf_counter() - started
+    if on_run is not None:
+        on_run(record)
     return record

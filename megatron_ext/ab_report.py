@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -75,9 +76,15 @@ def _count(n: int) -> str:
     return "0" if n == 0 else f"[bold red]{n}[/]"
 
 
-def print_report(result: ABResult, console: Console, only_divergent: bool = False) -> None:
-    """The whole human report: header, tables, audit examples, verdict. ``only_divergent``: list
-    only the requests that differ (soaks of thousands of requests)."""
+def print_report(result: ABResult, console: Console, only_divergent: bool = False,
+                 notes: Sequence[str] = ()) -> None:
+    """The whole human report: header, tables, audit examples, ``notes``, and the verdict last.
+
+    Args:
+        only_divergent: list only the requests that differ (soaks of thousands of requests).
+        notes: plain lines (no rich markup) printed just before the verdict, e.g. soak figures
+            and where the libraries' own output went.
+    """
     applied = ", ".join(f"{p['patch']}: {p['state']}" for p in result.patches)
     console.print(f"megatron-core {result.megatron_core_version} on {result.device}; patches: {applied}")
     ok, detail = result.invariance
@@ -92,6 +99,8 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
         for kind, lines in run.audit.get("examples", {}).items():
             for line in lines:
                 console.print(f"  [red]{kind}[/] ({run.eviction_policy or 'caching off'}): {line}")
+    for note in notes:
+        console.print(note, markup=False, highlight=False)
     failures = result.failures()
     if failures:
         console.print("[bold red]FAIL[/]:")

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
-from rich.console import Console
 from rich.table import Table
 
 from . import mcore
+from .console import LibraryOutput, RunProgress, library_output, log_path, report_console
 from .errors import MegatronExtError
 from .patching import PatchResult
 
@@ -51,14 +52,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         payload = {"megatron_core_version": version, "patches": [r.as_dict() for r in results]}
         print(json.dumps(payload, indent=2))
     else:
-        Console(width=args.width).print(_status_table(version, results))
+        report_console(args.width).print(_status_table(version, results))
     return 1 if any(r.state.value == "refused" for r in results) else 0
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
     """Run a case with prefix caching off and on; exit 0 only if bit-identical and audit-clean."""
-    from tqdm import tqdm
-
     from .ab import run_ab
     from .ab_report import print_report, write_plot
     from .cases import load_case, shipped_cases
@@ -83,33 +82,57 @@ def cmd_ab(args: argparse.Namespace) -> int:
         from .checkpoint import resolve_checkpoint
 
         checkpoint = resolve_checkpoint(args.load)
+    log = _library_log(args, "ab")
     try:
-        with tqdm(desc=f"{case.name}: engine steps", unit="step", leave=False,
-                  disable=args.no_progress or rank != 0) as bar:
+        with library_output(log) as output, _progress(args, case.name, output, rank) as progress:
             result = run_ab(case, patched=not args.unpatched, device=args.device,
-                            on_step=lambda _step: bar.update(1),
+                            on_step=progress.on_step, on_run=progress.on_run,
                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                             load=checkpoint)
     except Exception as exc:  # noqa: BLE001 - multi-rank: name the rank, exit non-zero
         if world_size == 1 or isinstance(exc, MegatronExtError):
             raise
+        where = f" (megatron-core / torch / gloo output of this rank: {log})" if log else ""
         if isinstance(exc, RankFailedError):  # names the rank already
-            print(f"megatron-ext ab: {exc}", file=sys.stderr, flush=True)
+            print(f"megatron-ext ab: {exc}{where}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
-            print(f"megatron-ext ab: rank {rank} of {world_size} failed: {type(exc).__name__}: {exc}",
-                  file=sys.stderr, flush=True)
+            print(f"megatron-ext ab: rank {rank} of {world_size} failed: {type(exc).__name__}: {exc}"
+                  f"{where}", file=sys.stderr, flush=True)
         return 1
     if rank == 0:
-        console = Console(width=args.width)
+        console = report_console(args.width)
         if world_size > 1:
             console.print(describe_layout(result.ranks))
-        print_report(result, console)
+        print_report(result, console, notes=_log_notes(output))
         if args.json:
             Path(args.json).write_text(json.dumps(result.as_json(), indent=2))
         if args.plot:
             write_plot(result, Path(args.plot))
     return result.exit_code()
+
+
+def _library_log(args: argparse.Namespace, command: str) -> Optional[Path]:
+    """Where megatron-core's, torch's and gloo's own output goes: a log file, or inline (``None``)
+    with ``--verbose``."""
+    return None if args.verbose else log_path(command, _world()[0])
+
+
+@contextlib.contextmanager
+def _progress(args: argparse.Namespace, case_name: str, output: LibraryOutput,
+              rank: int = 0) -> Iterator[RunProgress]:
+    """Progress of a command's engine runs: rank 0 only, none with ``--no-progress``."""
+    progress = RunProgress(case_name, output, enabled=not args.no_progress and rank == 0)
+    try:
+        yield progress
+    finally:
+        progress.close()
+
+
+def _log_notes(output: LibraryOutput) -> list[str]:
+    """The report line naming the library log, if it holds anything."""
+    line = output.describe()
+    return [line] if line else []
 
 
 def _outputs_writable(outputs: dict[str, Any]) -> bool:
@@ -159,11 +182,13 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
     case = load_case(args.case)
     if args.seed is not None:
         case = case.model_copy(update={"model": case.model.model_copy(update={"seed": args.seed})})
-    with cpu_backend():
+    with library_output(_library_log(args, "save-checkpoint")) as output, cpu_backend():
         ensure_model_parallel(tp, pp)
         model = build_model(case)
         path = save_checkpoint(model, args.directory)
     if _world()[0] == 0:
+        for note in _log_notes(output):
+            print(note)
         print(f"saved the model of case '{case.name}' (seed {case.model.seed}, "
               f"{case.model.params_dtype}, TP={tp} PP={pp}) to {path} (torch_dist); "
               f"use it with: megatron-ext ab --case {args.case} --load {path}")
@@ -173,8 +198,6 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
 def cmd_soak(args: argparse.Namespace) -> int:
     """``ab`` on a generated workload of ``--requests`` requests (:func:`megatron_ext.soak.soak_case`);
     exit codes as ``ab``."""
-    from tqdm import tqdm
-
     from .ab import run_ab
     from .ab_report import print_report
     from .cases import dump_case
@@ -187,18 +210,20 @@ def cmd_soak(args: argparse.Namespace) -> int:
                      chunked_prefill=not args.no_chunked_prefill)
     if args.dump_case:
         Path(args.dump_case).write_text(dump_case(case))
-    with tqdm(desc=f"{case.name}: engine steps", unit="step", leave=False, disable=args.no_progress) as bar:
-        result = run_ab(case, patched=not args.unpatched, on_step=lambda _step: bar.update(1))
-    console = Console(width=args.width)
-    print_report(result, console, only_divergent=True)
+    with library_output(_library_log(args, "soak")) as output, _progress(args, case.name, output) as progress:
+        result = run_ab(case, patched=not args.unpatched, on_step=progress.on_step, on_run=progress.on_run)
     summary = soak_summary(result)
-    for name, run in summary["runs"].items():
-        console.print(f"soak {name}: {summary['requests']} requests, {run['engine_steps']} engine steps, "
-                      f"{run['wall_s']} s, {run['blocks_matched']} blocks matched, peak pool use "
-                      f"{run['peak_pool_use']} blocks, {run['requests_paused']} requests paused "
-                      f"(peak {run['peak_paused_requests']} at once), {run['requests_evicted']} requests "
-                      f"evicted, {run['cached_blocks_evicted']} cached blocks evicted"
-                      + (f"; megatron-core raised: {run['error']}" if run["error"] else ""))
+    figures = [
+        f"soak {name}: {summary['requests']} requests, {run['engine_steps']} engine steps, "
+        f"{run['wall_s']} s, {run['blocks_matched']} blocks matched, peak pool use "
+        f"{run['peak_pool_use']} blocks, {run['requests_paused']} requests paused "
+        f"(peak {run['peak_paused_requests']} at once), {run['requests_evicted']} requests "
+        f"evicted, {run['cached_blocks_evicted']} cached blocks evicted"
+        + (f"; megatron-core raised: {run['error']}" if run["error"] else "")
+        for name, run in summary["runs"].items()
+    ]
+    print_report(result, report_console(args.width), only_divergent=True,
+                 notes=figures + _log_notes(output))
     if args.json:
         Path(args.json).write_text(json.dumps({"soak": summary, **result.as_json()}, indent=2))
     return result.exit_code()
@@ -230,6 +255,12 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
                         "CPU ranks over gloo)")
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="P",
                         help="megatron-core pipeline parallel size (T x P ranks)")
+
+
+def _add_verbose_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help="show megatron-core's, torch's and gloo's own output inline (default: "
+                        "gathered into a log file in the temporary directory, named in the report)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_ab.add_argument("--list-cases", action="store_true", help="print the shipped case names")
     p_ab.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_ab.add_argument("--width", type=int, default=None, help="table width in columns")
+    _add_verbose_argument(p_ab)
     p_ab.set_defaults(func=cmd_ab)
 
     p_save = sub.add_parser(
@@ -281,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="shipped case name or case YAML whose model is saved (default: rl_rollouts)")
     p_save.add_argument("--seed", type=int, default=None, help="weights seed (default: the case's model.seed)")
     _add_layout_arguments(p_save)
+    _add_verbose_argument(p_save)
     p_save.set_defaults(func=cmd_save_checkpoint)
 
     p_soak = sub.add_parser(
@@ -304,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also write the generated case as YAML (runs with 'ab --case PATH')")
     p_soak.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_soak.add_argument("--width", type=int, default=None, help="table width in columns")
+    _add_verbose_argument(p_soak)
     p_soak.set_defaults(func=cmd_soak)
 
     p_src = sub.add_parser(

@@ -15,3 +15,10 @@ class PatchRefusedError(MegatronExtError):
     Raised by ``apply(strict=True)``; ``apply()`` without ``strict`` reports the refusal in its
     results instead.
     """
+
+
+class DeviceUnavailableError(MegatronExtError, RuntimeError):
+    """A run asked for a device this machine does not have (``--device cuda`` without CUDA).
+
+    Also a ``RuntimeError``, as it was before it had its own class.
+    """

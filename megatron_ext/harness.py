@@ -61,6 +61,11 @@ class RunRecord:
     total_blocks: int = 0
     error: Optional[str] = None
 
+    @property
+    def label(self) -> str:
+        """The run as the report names it: ``A: caching off`` or ``B: caching on, <policy>``."""
+        return f"B: caching on, {self.eviction_policy}" if self.prefix_caching else "A: caching off"
+
 
 def sampling_params(case: Case, planned: PlannedRequest):
     """megatron-core ``SamplingParams`` for one request: the case's sampling, log-probs on."""

@@ -1,0 +1,160 @@
+"""Where the command line's output goes: the report, progress, and the libraries' own chatter.
+
+A report is read in a terminal or in a log (CI, a job's stdout file). For a log it must read as
+cleanly: no progress-bar frames, tables never cut to 80 columns, the verdict last. And it must not
+drown in what megatron-core, torch and gloo print while the engine runs (gloo's ``[Gloo] Rank 0 is
+connected to ...`` from C++, megatron-core's deprecation banner, warnings): those go to a log file
+that the report names, unless ``--verbose`` asks for them inline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, TextIO
+
+from rich.console import Console
+
+# Width for a stream that is not a terminal: wide enough that no table is ever cut or folded
+# (rich tables take their natural width, not this one), so a log never shows "cach…" headers.
+LOG_WIDTH = 100_000
+
+
+def is_terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` is an interactive terminal (False for files, pipes and closed streams)."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def report_console(width: Optional[int] = None, file: Optional[TextIO] = None) -> Console:
+    """A rich console for a report on ``file`` (default: stdout).
+
+    Args:
+        width: columns; ``None`` means the terminal's width, or :data:`LOG_WIDTH` when the stream
+            is not a terminal (tables at their natural width, lines never wrapped).
+        file: the stream; ``None`` is ``sys.stdout`` at the time of each print.
+    """
+    stream = file if file is not None else sys.stdout
+    if width is None and not is_terminal(stream):
+        width = LOG_WIDTH
+    return Console(file=file, width=width)
+
+
+@dataclass
+class LibraryOutput:
+    """What the libraries printed during a run.
+
+    Attributes:
+        path: the log file holding it (``None`` when shown inline, ``--verbose``).
+        stdout: the real standard output while the run lasts (the libraries' is the log).
+        stderr: the real standard error while the run lasts.
+    """
+
+    path: Optional[Path]
+    stdout: TextIO
+    stderr: TextIO
+
+    def lines(self) -> int:
+        """Number of lines in the log file (0 when inline or empty)."""
+        if self.path is None or not self.path.exists():
+            return 0
+        with self.path.open("rb") as handle:
+            return sum(1 for _ in handle)
+
+    def describe(self) -> Optional[str]:
+        """One report line naming the log file, or ``None`` when there is nothing to name.
+
+        An empty log file is removed, so only logs that hold something are left behind.
+        """
+        count = self.lines()
+        if self.path is None:
+            return None
+        if count == 0:
+            self.path.unlink(missing_ok=True)
+            return None
+        return (f"megatron-core / torch / gloo output: {count} lines in {self.path} "
+                "(--verbose shows it inline)")
+
+
+def log_path(command: str, rank: int) -> Path:
+    """The log file of one command on one rank, in the temporary directory (``$TMPDIR``)."""
+    suffix = f"-rank{rank}" if rank else ""
+    return Path(tempfile.gettempdir()) / f"megatron-ext-{command}-{os.getpid()}{suffix}.log"
+
+
+@contextlib.contextmanager
+def library_output(path: Optional[Path]) -> Iterator[LibraryOutput]:
+    """Send everything written to file descriptors 1 and 2 inside the block to ``path``.
+
+    File descriptors, not ``sys.stdout``: gloo writes from C++, below Python. The yielded object's
+    ``stdout`` / ``stderr`` stay on the real streams for progress lines. Errors raised inside the
+    block leave it first, so their message and traceback reach the real stderr in full.
+
+    Args:
+        path: the log file (created, truncated); ``None`` diverts nothing.
+    """
+    if path is None:
+        yield LibraryOutput(None, sys.stdout, sys.stderr)
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    real_out = os.fdopen(os.dup(saved[1]), "w", buffering=1, encoding="utf-8", errors="replace")
+    real_err = os.fdopen(os.dup(saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
+    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for fd in (1, 2):
+            os.dup2(log_fd, fd)
+        yield LibraryOutput(path, real_out, real_err)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(log_fd)
+        real_out.close()
+        real_err.close()
+
+
+class RunProgress:
+    """Progress of the engine runs of ``ab`` / ``soak``.
+
+    On a terminal, a progress bar of engine steps (tqdm) on stderr; elsewhere, one line per
+    finished run on stdout (``<case>: <run>: N engine steps, S s``), so a log has no bar frames.
+    Silent when ``enabled`` is false (``--no-progress``, ranks other than 0).
+    """
+
+    def __init__(self, case_name: str, output: LibraryOutput, enabled: bool = True):
+        self.case_name = case_name
+        self.output = output
+        self.enabled = enabled
+        self.bar = None
+        if enabled and is_terminal(output.stderr):
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=f"{case_name}: engine steps", unit="step", leave=False,
+                            file=output.stderr)
+
+    def on_step(self, _step: int) -> None:
+        """Called after every engine step of every run."""
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_run(self, run: Any) -> None:
+        """Called with each finished run (a :class:`megatron_ext.harness.RunRecord`)."""
+        if self.enabled and self.bar is None:
+            print(f"{self.case_name}: {run.label}: {run.steps} engine steps, {run.wall_s:.1f} s",
+                  file=self.output.stdout, flush=True)
+
+    def close(self) -> None:
+        """Remove the bar (no-op without one)."""
+        if self.bar is not None:
+            self.bar.close()
+
