@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -83,3 +85,22 @@ def test_verbose_keeps_library_output_inline(tmp_path):
     assert not LIBRARY_LOG.search(text)
     assert not list(tmp_path.glob("megatron-ext-*.log"))
     assert text.splitlines()[-1].startswith("saved the model of case 'shared_system_prompt'")
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_run_exits_130_with_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_EXT_")}
+    env["TMPDIR"] = str(tmp_path)
+    with (tmp_path / "out.txt").open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "megatron_ext", "soak", "--requests", "200"],
+                                   stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("megatron-ext-soak-*.log")) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the library log exists once the run has started
+        time.sleep(2)
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=120)
+    text = (tmp_path / "out.txt").read_text()
+    assert code == 130, text
+    assert text.splitlines()[-1] == "megatron-ext: soak interrupted (Ctrl-C)"
+    assert "Traceback" not in text

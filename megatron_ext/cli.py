@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -76,6 +77,10 @@ def cmd_ab(args: argparse.Namespace) -> int:
         return 2
     if not _outputs_writable({"--json": args.json, "--plot": args.plot}):
         return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("megatron-ext: error: --plot needs matplotlib, which is not installed; "
+              "pip install 'megatron-ext[plot]' (or leave out --plot)", file=sys.stderr)
+        return 2
     case = load_case(args.case)
     checkpoint = None
     if args.load is not None:  # a bad path fails here, before the model or any engine is built
@@ -100,6 +105,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
             print(f"megatron-ext ab: rank {rank} of {world_size} failed: {type(exc).__name__}: {exc}"
                   f"{where}", file=sys.stderr, flush=True)
         return 1
+    if rank != 0 and log is not None:  # rank 0 reports for every rank; a failing rank keeps its log
+        log.unlink(missing_ok=True)
     if rank == 0:
         console = report_console(args.width)
         if world_size > 1:
@@ -141,7 +148,11 @@ def _outputs_writable(outputs: dict[str, Any]) -> bool:
     for flag, path in outputs.items():
         if path is None:
             continue
-        directory = Path(path).expanduser().resolve().parent
+        target = Path(path).expanduser().resolve()
+        if target.is_dir():
+            print(f"megatron-ext: error: {flag} {path} is a directory; pass a file path", file=sys.stderr)
+            return False
+        directory = target.parent
         if not directory.is_dir() or not os.access(directory, os.W_OK):
             print(f"megatron-ext: error: {flag} {path}: directory {directory} does not exist or is "
                   "not writable; create it or choose another path", file=sys.stderr)
@@ -250,10 +261,10 @@ def _positive_int(text: str) -> int:
 
 def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     """Megatron's model-parallel flags (launch T x P ranks with torchrun; CPU ranks over gloo)."""
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T",
+    parser.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1, metavar="T",
                         help="megatron-core tensor parallel size (launch T x P ranks with torchrun; "
                         "CPU ranks over gloo)")
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="P",
+    parser.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1, metavar="P",
                         help="megatron-core pipeline parallel size (T x P ranks)")
 
 
@@ -278,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_ab = sub.add_parser(
         "ab", help="prefix caching off vs on through megatron-core's dynamic engine, bit for bit",
         description="Exit codes: 0 bit-identical and every audit holds; 1 divergence, audit "
-        "violation or unmet expectation; 2 bad input (case file, --load checkpoint); 3 platform not batch-invariant. Multi-rank: "
+        "violation or unmet expectation; 2 bad input (case file, --load checkpoint, output path, device); 3 platform not batch-invariant; 130 interrupted (Ctrl-C). Multi-rank: "
         "'torchrun --nproc-per-node T*P -m megatron_ext ab --tensor-model-parallel-size T "
         "--pipeline-model-parallel-size P'; every rank runs the audits, rank 0 reports (and writes "
         "--json/--plot), every rank exits non-zero if any rank failed.")
@@ -371,6 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MegatronExtError as exc:
         print(f"megatron-ext: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"megatron-ext: {args.command} interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     finally:
         if _world()[1] > 1:  # under torchrun: leave the process group together (not in-process callers)
             from .distributed import shut_down

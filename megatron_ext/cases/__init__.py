@@ -268,13 +268,21 @@ def parse_case(text: str, source: str = "<string>") -> Case:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise CaseFileError(f"{source}: not valid YAML: {exc}") from None
+        raise CaseFileError(f"{source}: not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise CaseFileError(f"{source}: expected a mapping with 'name' and 'requests' at the top level")
     try:
         return Case.model_validate(data)
     except ValidationError as exc:
         raise CaseFileError(f"{source}: {describe_validation_error(exc)}") from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: the problem and its line and column (1-based)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}; fix the file (a case is a YAML mapping, see the shipped cases)"
 
 
 def describe_validation_error(exc: ValidationError) -> str:

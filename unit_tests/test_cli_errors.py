@@ -1,0 +1,69 @@
+"""Bad input to the command line: one line naming the problem and the fix, exit 2, nothing run.
+
+Each test stubs out megatron-ext's engine entry points so a refusal that came too late (after a
+model or engine was built) fails the test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from megatron_ext import ab, cli
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    for name in ("build_model", "build_engine", "apply", "run_ab"):
+        monkeypatch.setattr(ab, name, lambda *a, **k: pytest.fail("ran something before refusing the input"))
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("megatron-ext: error: ")
+    return err[0]
+
+
+@pytest.mark.parametrize("command", [["ab", "--json"], ["ab", "--plot"], ["soak", "--requests", "5", "--json"],
+                                     ["soak", "--requests", "5", "--dump-case"]])
+def test_output_path_that_is_a_directory_exits_2_before_running(tmp_path, nothing_runs, capsys, command):
+    assert cli.main([*command, str(tmp_path), "--no-progress"]) == 2
+    assert one_error_line(capsys) == f"megatron-ext: error: {command[-1]} {tmp_path} is a directory; pass a file path"
+
+
+def test_plot_without_matplotlib_exits_2_before_running(tmp_path, nothing_runs, monkeypatch, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    assert cli.main(["ab", "--plot", str(tmp_path / "d.png"), "--no-progress"]) == 2
+    assert "--plot needs matplotlib, which is not installed; pip install 'megatron-ext[plot]'" in one_error_line(capsys)
+
+
+def test_device_cuda_without_cuda_exits_2_before_building(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(ab, "build_model", lambda *a, **k: pytest.fail("built a model without a device"))
+    assert cli.main(["ab", "--device", "cuda", "--no-progress", "--verbose"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("megatron-ext: error: --device cuda: no CUDA device is available here")
+    assert line.endswith("use --device cpu, or run on a machine with a GPU")
+
+
+def test_case_file_that_is_not_yaml_is_one_line(tmp_path, nothing_runs, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\nrequests: [\n")
+    assert cli.main(["ab", "--case", str(path), "--no-progress"]) == 2
+    assert one_error_line(capsys) == (
+        f"megatron-ext: error: {path}: not valid YAML: expected the node content, but found "
+        "'<stream end>' at line 3, column 1; fix the file (a case is a YAML mapping, see the shipped cases)")
+
+
+@pytest.mark.parametrize("flag", ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"])
+def test_parallel_size_below_one_is_an_argument_error(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["ab", flag, "0"])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
