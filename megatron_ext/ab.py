@@ -8,6 +8,8 @@ and the case's expectations (e.g. that prefix caching really skipped prefill) ar
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Union
@@ -16,7 +18,7 @@ from . import mcore
 from .api import apply, revert
 from .errors import DeviceUnavailableError
 from .audit import FAULT_OF_KIND
-from .cases import Case, plan_requests, validate_planned
+from .cases import Case, PlannedRequest, plan_requests, validate_planned
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint
 from .compare import RequestDiff, RequestOutput, compare_runs
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
@@ -64,6 +66,10 @@ class ABResult:
     ranks: list[dict] = field(default_factory=list)
     #: the checkpoint both A and B ran with (``--load``); None: seeded random weights
     checkpoint: Optional[CheckpointSource] = None
+    #: the requests as planned, for ``megatron-ext compare`` to refuse runs of other prompts:
+    #: ``{"request_id", "label", "prompt_length", "prompt_sha256"}`` (SHA-256 of the prompt's
+    #: token IDs as little-endian int64)
+    requests: list[dict] = field(default_factory=list)
 
     def weights(self) -> dict[str, Any]:
         """Where the weights came from: ``{"source": "checkpoint", "requested", "path",
@@ -156,6 +162,7 @@ class ABResult:
             "layout": {k: v for k, v in (self.ranks[0] if self.ranks else {}).items()
                        if k in ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")},
             "ranks": self.ranks,
+            "requests": self.requests,
             "baseline": _run_json(self.baseline),
             "policies": [
                 {"eviction_policy": p.policy, "bit_identical": p.bit_identical, "run": _run_json(p.run),
@@ -164,6 +171,12 @@ class ABResult:
             ],
             "example_divergence": next((d.as_dict() for d in first.diffs if not d.identical), None) if first else None,
         }
+
+
+def _request_json(request: PlannedRequest) -> dict[str, Any]:
+    tokens = struct.pack(f"<{len(request.prompt_tokens)}q", *request.prompt_tokens)
+    return {"request_id": request.request_id, "label": request.label,
+            "prompt_length": len(request.prompt_tokens), "prompt_sha256": hashlib.sha256(tokens).hexdigest()}
 
 
 def _run_json(run: RunRecord) -> dict[str, Any]:
@@ -258,7 +271,7 @@ def run_ab(
         baseline = _one_run(model, case, planned, False, case.prefix_caching_eviction_policies[0], on_step,
                             on_run)
         result = ABResult(case, mcore.installed_version(), device, patches, invariance, baseline,
-                          checkpoint=checkpoint)
+                          checkpoint=checkpoint, requests=[_request_json(r) for r in planned])
         for policy in case.prefix_caching_eviction_policies:
             run = _one_run(model, case, planned, True, policy, on_step, on_run)
             result.policies.append(PolicyResult(policy, run, compare_runs(baseline.outputs, run.outputs)))

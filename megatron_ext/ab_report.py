@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .ab import ABResult, PolicyResult
+from .compare import RequestDiff, RequestOutput
 
 
 def _yes_no(value: bool) -> str:
@@ -18,10 +19,15 @@ def _yes_no(value: bool) -> str:
 def request_table(result: ABResult, policy: PolicyResult, only_divergent: bool = False) -> Table:
     """One row per request (per divergent request with ``only_divergent``): equality, first
     divergence, max |delta log-prob|."""
-    shown = [d for d in policy.diffs if not (only_divergent and d.identical)]
     title = f"{result.case.name}: caching off (A) vs on (B), eviction policy {policy.policy}"
+    return diff_table(title, policy.diffs, only_divergent)
+
+
+def diff_table(title: str, diffs: Sequence[RequestDiff], only_divergent: bool = False) -> Table:
+    """The per-request table of ``ab`` and ``compare`` for any two runs' :class:`RequestDiff` list."""
+    shown = [d for d in diffs if not (only_divergent and d.identical)]
     if only_divergent:
-        title += f": {len(shown)} of {len(policy.diffs)} requests differ"
+        title += f": {len(shown)} of {len(diffs)} requests differ"
     table = Table(title=title)
     for column in ("request", "id", "tokens equal", "log-probs equal", "first divergent step",
                    "first divergent token", "max |Δ log-prob|"):
@@ -115,17 +121,24 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
 def write_plot(result: ABResult, path: Path) -> None:
     """PNG of |Δ log-prob| per engine step of B, one line per request that diverged (all zero
     if none did), one panel per eviction policy. Needs matplotlib (``pip install .[plot]``)."""
+    write_diff_plot([(f"{result.case.name}, {p.policy}", p.diffs, p.run.outputs) for p in result.policies], path)
+
+
+def write_diff_plot(panels: Sequence[tuple[str, Sequence[RequestDiff], dict[int, RequestOutput]]],
+                    path: Path) -> None:
+    """PNG of |log-prob(A) - log-prob(B)| (nats) per engine step of B, one panel per
+    ``(title, diffs, B's outputs)`` and one line per request. Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(result.policies), 1, figsize=(8, 3 * len(result.policies)), squeeze=False)
-    for ax, policy in zip(axes[:, 0], result.policies):
-        for diff in policy.diffs:
-            steps = policy.run.outputs[diff.request_id].token_steps[: len(diff.abs_delta_log_prob)]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3 * len(panels)), squeeze=False)
+    for ax, (title, diffs, outputs_b) in zip(axes[:, 0], panels):
+        for diff in diffs:
+            steps = outputs_b[diff.request_id].token_steps[: len(diff.abs_delta_log_prob)]
             ax.plot(steps, diff.abs_delta_log_prob, marker=".", label=diff.label)
-        ax.set_title(f"{result.case.name}, {policy.policy}: |log-prob(A) - log-prob(B)| per step")
+        ax.set_title(f"{title}: |log-prob(A) - log-prob(B)| per step")
         ax.set_xlabel("engine step (B)")
         ax.set_ylabel("|Δ log-prob| (nats)")
     fig.tight_layout()

@@ -75,11 +75,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         print("megatron-ext: error: multi-rank ab runs CPU ranks over gloo; --device cuda is "
               "single-rank only", file=sys.stderr)
         return 2
-    if not _outputs_writable({"--json": args.json, "--plot": args.plot}):
-        return 2
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        print("megatron-ext: error: --plot needs matplotlib, which is not installed; "
-              "pip install 'megatron-ext[plot]' (or leave out --plot)", file=sys.stderr)
+    if not _outputs_writable({"--json": args.json, "--plot": args.plot}) or not _plot_possible(args.plot):
         return 2
     case = load_case(args.case)
     checkpoint = None
@@ -240,6 +236,59 @@ def cmd_soak(args: argparse.Namespace) -> int:
     return result.exit_code()
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Compare runs recorded in two ab/soak JSON files, request by request, bit for bit.
+
+    Exit 0 if every compared pair is bit-identical, 1 if any request differs, 2 bad input.
+    """
+    from .ab_report import diff_table, write_diff_plot
+    from .recorded import compare_recorded, pair_runs
+
+    if not _outputs_writable({"--json": args.json, "--plot": args.plot}) or not _plot_possible(args.plot):
+        return 2
+    comparisons = [compare_recorded(a, b) for a, b in pair_runs(args.a, args.b)]
+    console = report_console(args.width)
+    first = comparisons[0]
+    console.print(f"A: {args.a} ({first.a.context})", markup=False, highlight=False)
+    console.print(f"B: {args.b} ({first.b.context})", markup=False, highlight=False)
+    for comparison in comparisons:
+        # short title: rich wraps a title wider than its table, and the file names are above
+        console.print(diff_table(f"run {comparison.a.name} of A vs run {comparison.b.name} of B", comparison.diffs,
+                                 only_divergent=args.only_divergent))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "verdict": "pass" if all(c.bit_identical for c in comparisons) else "fail",
+            "pairs": [c.as_json() for c in comparisons]}, indent=2))
+    if args.plot:
+        write_diff_plot([(f"{c.a.name} vs {c.b.name}", c.diffs, c.b.outputs) for c in comparisons], Path(args.plot))
+    return _print_compare_verdict(console, comparisons)
+
+
+def _print_compare_verdict(console, comparisons) -> int:
+    """The last line: PASS with the request count, or FAIL naming the first request that differs."""
+    differing = [(c, d) for c in comparisons for d in c.diffs if not d.identical]
+    if not differing:
+        requests = len(comparisons[0].diffs)
+        console.print(f"[bold green]PASS[/]: {requests} requests bit-identical in {len(comparisons)} "
+                      f"compared run pair(s)")
+        return 0
+    comparison, diff = differing[0]
+    console.print(f"[bold red]FAIL[/]: {len(differing)} requests differ; first: {diff.label} (id "
+                  f"{diff.request_id}) in {comparison.a.source} vs {comparison.b.source}, at generated "
+                  f"token {diff.first_divergent_position} (engine step {diff.first_divergent_step} of B), "
+                  f"max |Δ log-prob| {diff.max_abs_delta_log_prob:.3g}", highlight=False)
+    return 1
+
+
+def _plot_possible(plot: Optional[str]) -> bool:
+    """Whether ``--plot`` can be honoured (matplotlib installed); prints the fix on stderr when not."""
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        print("megatron-ext: error: --plot needs matplotlib, which is not installed; "
+              "pip install 'megatron-ext[plot]' (or leave out --plot)", file=sys.stderr)
+        return False
+    return True
+
+
 def cmd_patch_source(args: argparse.Namespace) -> int:
     """Apply / check / revert the source patches on a megatron-core tree."""
     from .source_patches import default_tree, patch_source, tree_version
@@ -350,6 +399,22 @@ def build_parser() -> argparse.ArgumentParser:
     p_soak.add_argument("--width", type=int, default=None, help="table width in columns")
     _add_verbose_argument(p_soak)
     p_soak.set_defaults(func=cmd_soak)
+
+    p_cmp = sub.add_parser(
+        "compare", help="compare runs recorded in two ab/soak JSON files, bit for bit",
+        description="Reads two files written by 'ab --json' or 'soak --json' (made apart: other machines, "
+        "releases, GPU runs) and compares the same requests bit for bit: tokens, log-probs, first "
+        "divergent step and token, max |Δ log-prob|. FILE compares every run both files hold by name "
+        "(off = caching off, ref_zero, lru); FILE:RUN picks one run, e.g. 'a.json:off b.json:lru'. "
+        "Runs of other requests or prompts are refused. Exit codes: 0 bit-identical; 1 a request "
+        "differs; 2 bad input.")
+    p_cmp.add_argument("a", metavar="A", help="FILE or FILE:RUN (RUN: off, ref_zero, lru)")
+    p_cmp.add_argument("b", metavar="B", help="FILE or FILE:RUN")
+    p_cmp.add_argument("--json", metavar="PATH", help="also write the comparison as JSON")
+    p_cmp.add_argument("--plot", metavar="PNG", help="also plot |Δ log-prob| per step (matplotlib)")
+    p_cmp.add_argument("--only-divergent", action="store_true", help="list only the requests that differ")
+    p_cmp.add_argument("--width", type=int, default=None, help="table width in columns")
+    p_cmp.set_defaults(func=cmd_compare)
 
     p_src = sub.add_parser(
         "patch-source", help="apply the source patches (patches/) to a megatron-core tree",
