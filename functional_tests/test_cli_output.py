@@ -16,10 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext import mcore
-
-MCORE = mcore.installed_version()
-
 #: Column headers of the report's tables, each of which must appear whole on one line.
 HEADERS = ("tokens equal", "log-probs equal", "first divergent step", "first divergent token",
            "max |Δ log-prob|", "prefill tokens skipped", "prefill tokens computed", "KV writes checked",
@@ -109,16 +105,3 @@ def test_ctrl_c_during_a_run_exits_130_with_one_line(tmp_path):
     assert text.splitlines()[-1] == "megatron-ext: soak interrupted (Ctrl-C)"
     assert "Traceback" not in text
 
-
-@pytest.mark.slow
-def test_compare_reads_back_a_real_ab_file(tmp_path):
-    result = tmp_path / "ab.json"
-    code, text = run_logged(tmp_path, "ab", "--case", "shared_system_prompt", "--json", str(result))
-    assert code == 0, text
-    # caching off vs LRU from the same file: what ab found, now from the file, bit for bit
-    code, text = run_logged(tmp_path, "compare", f"{result}:off", f"{result}:lru")
-    assert code == 0, text
-    assert text.splitlines()[-1] == "PASS: 5 requests bit-identical in 1 compared run pair(s)"
-    assert text.splitlines()[:2] == [f"A: {result}:off (case shared_system_prompt, megatron-core {MCORE}, device cpu)",
-                                     f"B: {result}:lru (case shared_system_prompt, megatron-core {MCORE}, device cpu)"]
-    assert "run off of A vs run lru of B" in text

@@ -78,6 +78,14 @@ def cmd_ab(args: argparse.Namespace) -> int:
     if not _outputs_writable({"--json": args.json, "--plot": args.plot}) or not _plot_possible(args.plot):
         return 2
     case = load_case(args.case)
+    if args.prompts is not None:
+        from .prompts import prompts_case
+
+        case = prompts_case(case, Path(args.prompts), args.samples or 1, args.num_tokens_to_generate)
+    elif args.samples is not None or args.num_tokens_to_generate is not None:
+        print("megatron-ext: error: --samples and --num-tokens-to-generate apply to --prompts FILE; "
+              "with a case file, set 'samples' and 'num_tokens_to_generate' per request in it", file=sys.stderr)
+        return 2
     checkpoint = None
     if args.load is not None:  # a bad path fails here, before the model or any engine is built
         from .checkpoint import resolve_checkpoint
@@ -355,6 +363,16 @@ def build_parser() -> argparse.ArgumentParser:
                       "Megatron-LM save directory (latest_checkpointed_iteration.txt -> iter_NNNNNNN/) "
                       "after building the case's model; its model section must match the checkpoint. "
                       "Any TP/PP layout loads any other (dist-checkpointing reshards)")
+    p_ab.add_argument("--prompts", metavar="FILE",
+                      help="run these prompts instead of the case's requests: JSON Lines (.jsonl: "
+                      "{\"prompt\", \"samples\", \"num_tokens_to_generate\", \"arrival_step\"}, only "
+                      "prompt required) or plain text, one prompt per line; model, inference config and "
+                      "policies still come from --case")
+    p_ab.add_argument("--samples", type=_positive_int, metavar="N",
+                      help="with --prompts: copies of each prompt where its line does not say (Megatron's "
+                      "--inference-repeat-n; default 1)")
+    p_ab.add_argument("--num-tokens-to-generate", type=_positive_int, metavar="N",
+                      help="with --prompts: tokens to generate where a line does not say (default 8)")
     p_ab.add_argument("--list-cases", action="store_true", help="print the shipped case names")
     p_ab.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_ab.add_argument("--width", type=int, default=None, help="table width in columns")

@@ -167,14 +167,9 @@ def plan_requests(case: Case, tokenizer: ByteTokenizer) -> list[PlannedRequest]:
                     f"case '{case.name}': field 'requests.{index}': {where} has 0 tokens; megatron-core "
                     "cannot prefill an empty prompt; write at least one character"
                 )
-            total = len(tokens) + spec.num_tokens_to_generate
-            if total > case.inference.max_sequence_length:
-                raise CaseFileError(
-                    f"case '{case.name}': field 'requests.{index}': prompt of {len(tokens)} tokens "
-                    f"+ {spec.num_tokens_to_generate} generated = {total} exceeds "
-                    f"inference.max_sequence_length={case.inference.max_sequence_length}; "
-                    "shorten the prompt or raise max_sequence_length"
-                )
+            problem = sequence_too_long(case.inference, len(tokens), spec.num_tokens_to_generate)
+            if problem:
+                raise CaseFileError(f"case '{case.name}': field 'requests.{index}': {problem}")
             for sample in range(spec.samples):
                 planned.append(PlannedRequest(
                     request_id=len(planned),
@@ -184,6 +179,16 @@ def plan_requests(case: Case, tokenizer: ByteTokenizer) -> list[PlannedRequest]:
                     label=f"r{index}" + (f".t{turn}" if spec.conversation else "") + f".s{sample}",
                 ))
     return sorted(planned, key=lambda p: (p.arrival_step, p.request_id))
+
+
+def sequence_too_long(inference: InferenceSpec, prompt_tokens: int, generated: int) -> Optional[str]:
+    """Why a prompt of ``prompt_tokens`` tokens plus ``generated`` tokens cannot run, or None."""
+    total = prompt_tokens + generated
+    if total <= inference.max_sequence_length:
+        return None
+    return (f"prompt of {prompt_tokens} tokens + {generated} generated = {total} exceeds "
+            f"inference.max_sequence_length={inference.max_sequence_length}; "
+            "shorten the prompt or raise max_sequence_length")
 
 
 def validate_planned(planned: list[PlannedRequest]) -> None:
