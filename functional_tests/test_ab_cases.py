@@ -10,8 +10,8 @@ import pytest
 
 import megatron_ext
 from megatron_ext import mcore
-from megatron_ext.ab import run_ab
-from megatron_ext.cases import load_case, shipped_cases
+from megatron_ext.harness.ab import run_ab
+from megatron_ext.harness.cases import load_case, shipped_cases
 
 SERIES = mcore.release_series(mcore.installed_version())
 

@@ -28,11 +28,11 @@ import torch
 
 from functional_tests.test_multirank import _tail, assert_clean, multirank_only, torchrun, torchrun_ab
 from megatron_ext import cli
-from megatron_ext.ab import run_ab
-from megatron_ext.cases import load_case
-from megatron_ext.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint
+from megatron_ext.harness.ab import run_ab
+from megatron_ext.harness.cases import load_case
+from megatron_ext.harness.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint
 from megatron_ext.cpu_backend import cpu_backend
-from megatron_ext.engine import build_model, ensure_model_parallel
+from megatron_ext.harness.engine import build_model, ensure_model_parallel
 
 CASE = "rl_rollouts"
 S1 = 4321  # the saved model's seed
@@ -201,12 +201,12 @@ def test_tp1_checkpoint_loads_pipeline_parallel(saved_s1, tmp_path, tp, pp):
 @pytest.fixture
 def no_engine(monkeypatch):
     """Fails the test if ab gets as far as building an engine."""
-    import megatron_ext.ab
+    import megatron_ext.harness.ab
 
     def refuse(*args, **kwargs):
         raise AssertionError("an engine was built despite the bad checkpoint")
 
-    monkeypatch.setattr(megatron_ext.ab, "build_engine", refuse)
+    monkeypatch.setattr(megatron_ext.harness.ab, "build_engine", refuse)
 
 
 def ab_load(path, capfd) -> tuple[int, str]:

@@ -26,11 +26,11 @@ import torch
 
 from megatron_ext import mcore
 from megatron_ext.api import apply
-from megatron_ext.cases import load_case, plan_requests
-from megatron_ext.compare import compare_runs
-from megatron_ext.engine import engine_tokenizer, ensure_model_parallel
-from megatron_ext.harness import RunRecord, drive
-from megatron_ext.tokenizer import ByteTokenizer
+from megatron_ext.harness.cases import load_case, plan_requests
+from megatron_ext.harness.compare import compare_runs
+from megatron_ext.harness.engine import engine_tokenizer, ensure_model_parallel
+from megatron_ext.harness.step_loop import RunRecord, drive
+from megatron_ext.harness.tokenizer import ByteTokenizer
 
 
 def _missing() -> str | None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.cases import shipped_cases
+from megatron_ext.harness.cases import shipped_cases
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = float(os.environ.get("MEGATRON_EXT_MULTIRANK_TIMEOUT_S", "420"))
@@ -150,7 +150,7 @@ def test_default_case_pipeline_parallel(tmp_path, tp, pp):
 def test_rank_failures_name_each_failing_rank_and_disagreement():
     """Rank 0's verdict covers every rank: a failure on one rank only, one shared by several
     ranks (reported once), and ranks whose outputs differ from rank 0's. No torchrun needed."""
-    from megatron_ext.distributed import describe_layout, rank_failures
+    from megatron_ext.harness.distributed import describe_layout, rank_failures
 
     def verdict(rank, failures=(), digest="a"):
         return {"rank": rank, "world_size": 4, "tensor_model_parallel_size": 2,

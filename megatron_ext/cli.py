@@ -58,10 +58,10 @@ def cmd_ab(args: argparse.Namespace) -> int:
     """Run a case with prefix caching off and on; exit 0 only if bit-identical and audit-clean."""
     from tqdm import tqdm
 
-    from .ab import run_ab
-    from .ab_report import print_report, write_plot
-    from .cases import load_case, shipped_cases
-    from .distributed import RankFailedError, describe_layout
+    from .harness.ab import run_ab
+    from .harness.report import print_report, write_plot
+    from .harness.cases import load_case, shipped_cases
+    from .harness.distributed import RankFailedError, describe_layout
 
     if args.list_cases:
         print("\n".join(shipped_cases()))
@@ -79,7 +79,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
     case = load_case(args.case)
     checkpoint = None
     if args.load is not None:  # a bad path fails here, before the model or any engine is built
-        from .checkpoint import resolve_checkpoint
+        from .harness.checkpoint import resolve_checkpoint
 
         checkpoint = resolve_checkpoint(args.load)
     try:
@@ -147,10 +147,10 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
     The model is built exactly as ``ab`` builds it (same case model section, same seed unless
     ``--seed``), on CPU ranks; under torchrun each rank writes its TP/PP shards.
     """
-    from .cases import load_case
-    from .checkpoint import save_checkpoint
+    from .harness.cases import load_case
+    from .harness.checkpoint import save_checkpoint
     from .cpu_backend import cpu_backend
-    from .engine import build_model, ensure_model_parallel
+    from .harness.engine import build_model, ensure_model_parallel
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if not _layout_fits(tp, pp, "save-checkpoint"):
@@ -170,14 +170,14 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    """``ab`` on a generated workload of ``--requests`` requests (:func:`megatron_ext.soak.soak_case`);
+    """``ab`` on a generated workload of ``--requests`` requests (:func:`megatron_ext.harness.soak.soak_case`);
     exit codes as ``ab``."""
     from tqdm import tqdm
 
-    from .ab import run_ab
-    from .ab_report import print_report
-    from .cases import dump_case
-    from .soak import soak_case, soak_summary
+    from .harness.ab import run_ab
+    from .harness.report import print_report
+    from .harness.cases import dump_case
+    from .harness.soak import soak_case, soak_summary
 
     if not _outputs_writable({"--json": args.json, "--dump-case": args.dump_case}):
         return 2
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_soak = sub.add_parser(
         "soak", help="ab on a generated workload of many requests sharing prefixes, under KV pressure",
-        description="Generates a reproducible workload (megatron_ext/soak.py: RL rollouts, multi-turn "
+        description="Generates a reproducible workload (megatron_ext/harness/soak.py: RL rollouts, multi-turn "
         "conversations, shared system prompts; Poisson arrivals; chunked prefill; a 48-block KV pool "
         "that pauses requests and makes LRU evict) and runs it as 'ab' does: caching off once, on "
         "once per policy. Exit codes as 'ab'. Cost on one CPU core: about 0.3 s per request for the "
@@ -338,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         if _world()[1] > 1:  # under torchrun: leave the process group together (not in-process callers)
-            from .distributed import shut_down
+            from .harness.distributed import shut_down
 
             shut_down()
 

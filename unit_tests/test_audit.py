@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.audit import FAULT_OF_KIND, ContextAudit
+from megatron_ext.harness.audit import FAULT_OF_KIND, ContextAudit
 from megatron_ext.patches.lru_leaf_first_eviction import prefix_forest
 
 from .test_lru_faults import A, B, four_block_lru_context, retire_all

@@ -1,8 +1,8 @@
 """megatron-core's real dynamic inference engine on the CPU backend, end to end.
 
 Builds a tiny GPTModel (local layer spec), a DynamicInferenceContext with prefix caching and the
-DynamicInferenceEngine from a case (``megatron_ext.engine``), drives the requests to completion
-with the ``ab`` harness (``megatron_ext.harness.drive``), and checks that ``cpu_backend()`` puts
+DynamicInferenceEngine from a case (``megatron_ext.harness.engine``), drives the requests to completion
+with the ``ab`` harness (``megatron_ext.harness.step_loop.drive``), and checks that ``cpu_backend()`` puts
 every replaced object back.
 """
 
@@ -14,13 +14,13 @@ import torch
 pytest.importorskip("megatron.core")
 
 from megatron_ext import mcore  # noqa: E402
-from megatron_ext.ab import backend  # noqa: E402
-from megatron_ext.cases import Case, CaseFileError, parse_case, plan_requests  # noqa: E402
+from megatron_ext.harness.ab import backend  # noqa: E402
+from megatron_ext.harness.cases import Case, CaseFileError, parse_case, plan_requests  # noqa: E402
 from megatron_ext.cpu_backend import attention, batch_invariant, cpu_backend, pipeline  # noqa: E402
 from megatron_ext.cpu_backend.device import CUDA_STANDINS  # noqa: E402
-from megatron_ext.engine import build_engine, build_model, ensure_model_parallel  # noqa: E402
-from megatron_ext.harness import RunRecord, drive  # noqa: E402
-from megatron_ext.tokenizer import ByteTokenizer  # noqa: E402
+from megatron_ext.harness.engine import build_engine, build_model, ensure_model_parallel  # noqa: E402
+from megatron_ext.harness.step_loop import RunRecord, drive  # noqa: E402
+from megatron_ext.harness.tokenizer import ByteTokenizer  # noqa: E402
 
 ATTENTION_NAMES = ("flash_attn_varlen_func", "flash_attn_with_kvcache", "is_fa_min_version",
                    "HAVE_FA3", "HAVE_FA4")

@@ -19,7 +19,7 @@ def enabled() -> bool:
 
 def _apply_on_import(_module: object) -> None:
     from ..api import apply
-    from ..report import announce
+    from ..announce import announce
 
     announce(apply())
 

@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .mcore import uses_lru_prefix_caching
+from ..mcore import uses_lru_prefix_caching
 
 
 @dataclass(frozen=True)

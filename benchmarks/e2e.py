@@ -1,8 +1,8 @@
 """Section 3 (worker side): engine step time of a ``megatron-ext ab`` case, prefix caching on.
 
 The model and engine are built exactly as ``megatron-ext ab`` builds them
-(:mod:`megatron_ext.engine`, inside :func:`megatron_ext.ab.backend` ``("cpu")``: the CPU backend
-with batch-invariant matmuls, one intra-op thread). The loop is :func:`megatron_ext.harness.drive`'s
+(:mod:`megatron_ext.harness.engine`, inside :func:`megatron_ext.harness.ab.backend` ``("cpu")``: the CPU backend
+with batch-invariant matmuls, one intra-op thread). The loop is :func:`megatron_ext.harness.step_loop.drive`'s
 without the context audits (they hook ``add_request`` and each step, and would be timed too):
 requests are added at their arrival steps and each ``engine.step_modern()`` call is timed alone.
 """
@@ -16,11 +16,11 @@ import time
 from collections import deque
 from typing import Any
 
-from ..ab import backend
-from ..cases import Case, load_case, plan_requests
-from ..engine import build_engine, build_model, ensure_model_parallel
-from ..harness import MAX_STEPS_PER_REQUEST, EngineStuckError, describe_exception, sampling_params
-from ..tokenizer import ByteTokenizer
+from megatron_ext.harness.ab import backend
+from megatron_ext.harness.cases import Case, load_case, plan_requests
+from megatron_ext.harness.engine import build_engine, build_model, ensure_model_parallel
+from megatron_ext.harness.step_loop import MAX_STEPS_PER_REQUEST, EngineStuckError, describe_exception, sampling_params
+from megatron_ext.harness.tokenizer import ByteTokenizer
 
 
 def shrink(case: Case) -> Case:

@@ -1,6 +1,6 @@
 """Multi-rank ``ab``: every rank runs the same case and audits; rank 0 reports for all.
 
-Under ``torchrun`` each rank runs :func:`megatron_ext.ab.run_ab` itself (its own CPU backend, its
+Under ``torchrun`` each rank runs :func:`megatron_ext.harness.ab.run_ab` itself (its own CPU backend, its
 own batch-invariance self-check, its own KV-write and ref-count audits on its own context). At the
 end :func:`gather_ranks` collects every rank's verdict with ``all_gather_object`` over the gloo
 world group, so every rank knows whether any rank failed (and exits non-zero if one did), and rank
@@ -11,7 +11,7 @@ ranks sample from the same gathered logits; PP stages receive them from the last
 A rank that raises mid-run cannot take part in the next collective; :class:`RankFailedError` ends
 that rank (the CLI prints it with the rank named), and its peers' pending collectives fail when
 its connections close, or after ``MEGATRON_EXT_DIST_TIMEOUT_S`` (see
-:func:`megatron_ext.engine.ensure_model_parallel`).
+:func:`megatron_ext.harness.engine.ensure_model_parallel`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 import torch
 
-from . import mcore
+from .. import mcore
 
 
 class RankFailedError(RuntimeError):

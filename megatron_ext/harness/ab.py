@@ -12,15 +12,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Union
 
-from . import mcore
-from .api import apply, revert
+from .. import mcore
+from ..api import apply, revert
 from .audit import FAULT_OF_KIND
 from .cases import Case, plan_requests, validate_planned
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint
 from .compare import RequestDiff, RequestOutput, compare_runs
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .engine import build_engine, build_model, ensure_model_parallel
-from .harness import RunRecord, drive
+from .step_loop import RunRecord, drive
 from .tokenizer import ByteTokenizer
 
 #: Audit violation kinds of the LRU faults 3-5, and what a count of them means in a verdict.
@@ -59,7 +59,7 @@ class ABResult:
     baseline: RunRecord
     policies: list[PolicyResult] = field(default_factory=list)
     wall_s: float = 0.0
-    #: multi-rank runs: every rank's verdict (:func:`megatron_ext.distributed.rank_verdict`)
+    #: multi-rank runs: every rank's verdict (:func:`megatron_ext.harness.distributed.rank_verdict`)
     ranks: list[dict] = field(default_factory=list)
     #: the checkpoint both A and B ran with (``--load``); None: seeded random weights
     checkpoint: Optional[CheckpointSource] = None
@@ -201,7 +201,7 @@ def backend(device: str) -> Iterator[tuple[bool, str]]:
         return
     import torch
 
-    from .cpu_backend import cpu_backend, self_check
+    from ..cpu_backend import cpu_backend, self_check
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -232,11 +232,11 @@ def run_ab(
             layout (under torchrun; every rank calls run_ab and gets every rank's verdict).
         load: a Megatron distributed checkpoint (or Megatron-LM save directory) loaded into the
             model after it is built from ``case.model`` and before any engine run; A and B both
-            use these weights (:func:`megatron_ext.checkpoint.load_checkpoint`).
+            use these weights (:func:`megatron_ext.harness.checkpoint.load_checkpoint`).
 
     Raises:
         MegatronCoreNotFoundError, CaseFileError (prompt too long or empty), WorkloadError (see
-        :func:`megatron_ext.cases.validate_planned`), CheckpointError (``load``: missing, not a
+        :func:`megatron_ext.harness.cases.validate_planned`), CheckpointError (``load``: missing, not a
         checkpoint, architecture mismatch), EngineStuckError, RuntimeError;
         multi-rank: RankFailedError when megatron-core raised mid-run on this rank (the ranks are
         out of lockstep then; single-rank runs record the error in the result instead).

@@ -1,6 +1,6 @@
 """Soak workload for ``megatron-ext soak``: a generated case of many requests with shared prefixes.
 
-:func:`soak_case` turns a seed and a request count into an ordinary :class:`~megatron_ext.cases.Case`
+:func:`soak_case` turns a seed and a request count into an ordinary :class:`~megatron_ext.harness.cases.Case`
 (the same schema, planner and ``ab`` harness as the shipped cases), so a soak is ``ab`` on a big,
 random but reproducible workload:
 

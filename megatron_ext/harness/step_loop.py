@@ -3,7 +3,7 @@
 A run builds the model and engine for the case (prefix caching on or off, one eviction policy),
 feeds each planned request at its arrival step, steps the engine until every request finished,
 and records per request the generated tokens, their log-probs and the step each token came from.
-The context audits (:mod:`megatron_ext.audit`) check every step and count prefix-cache hits.
+The context audits (:mod:`megatron_ext.harness.audit`) check every step and count prefix-cache hits.
 An exception raised inside megatron-core ends the run and is recorded, not raised, so the report
 still shows what happened up to that step.
 """
@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from . import mcore
+from .. import mcore
 from .audit import ContextAudit
 from .cases import Case, PlannedRequest, validate_planned
 from .compare import RequestOutput

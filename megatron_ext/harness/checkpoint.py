@@ -30,8 +30,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import mcore
-from .errors import MegatronExtError
+from .. import mcore
+from ..errors import MegatronExtError
 
 #: Megatron-LM's tracker file in a training save directory.
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -325,7 +325,7 @@ def save_checkpoint(model: Any, directory: PathLike) -> Path:
     script with an ``if __name__ == "__main__"`` guard).
 
     Args:
-        model: a megatron-core ``GPTModel`` (e.g. :func:`megatron_ext.engine.build_model`).
+        model: a megatron-core ``GPTModel`` (e.g. :func:`megatron_ext.harness.engine.build_model`).
         directory: created if missing; must be empty.
 
     Returns:

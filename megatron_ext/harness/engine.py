@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import mcore
+from .. import mcore
 from .cases import Case
 from .tokenizer import ByteTokenizer
 

@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 from typing import Iterable
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 WHEEL_CACHE = REPO / ".venv" / "mcore-wheels"
 DEFAULT_SEARCH = (Path("/tmp/mc/src"),)
 
