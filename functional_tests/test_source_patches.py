@@ -23,12 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from functional_tests.conftest import REPO, SERIES
 from megatron_ext import mcore
 from megatron_ext.source_patches import SourcePatchError, patch_source, tree_version
 
-REPO = Path(__file__).resolve().parent.parent
 WHEELS = REPO / ".venv" / "mcore-wheels"  # pip download cache, outside git
-SERIES = mcore.release_series(mcore.installed_version())
 RELEASES = [r for r in mcore.SUPPORTED_RELEASES if mcore.release_series(r) == SERIES]
 
 
