@@ -86,15 +86,22 @@ def rank_verdict(result: Any) -> dict[str, Any]:
     }
 
 
+def all_ranks(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order, on every rank; ``[value]`` on one rank.
+
+    A collective (``all_gather_object``): every rank must call it.
+    """
+    if not is_multi_rank():
+        return [value]
+    gathered: list[Any] = [None] * world()[1]
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
 def gather_ranks(result: Any) -> list[dict[str, Any]]:
     """Every rank's :func:`rank_verdict`, in rank order, on every rank (a collective: all ranks
     must call it)."""
-    mine = rank_verdict(result)
-    if not is_multi_rank():
-        return [mine]
-    gathered: list[Any] = [None] * world()[1]
-    torch.distributed.all_gather_object(gathered, mine)
-    return gathered
+    return all_ranks(rank_verdict(result))
 
 
 def _who(entry: dict[str, Any]) -> str:
