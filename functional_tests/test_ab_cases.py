@@ -35,7 +35,7 @@ def test_case_patched_is_bit_identical_and_audit_clean(name):
     assert result.total("refcount_violations") == 0
     assert result.total("lru_violations") == 0
     assert all(run.error is None for run in [result.baseline] + [p.run for p in result.policies])
-    assert all(p.run.counters["prefill_tokens_skipped"] > 0 for p in result.policies)
+    assert all(p.run.counters.prefill_tokens_skipped > 0 for p in result.policies)
 
 
 @pytest.mark.slow
@@ -73,7 +73,7 @@ def test_unpatched_audits_catch_the_faults_of_this_release(mcore_series):
     if mcore_series in ("0.17", "0.18"):
         assert result.total("refcount_violations") > 0  # fix 1's leak
         assert "fix 1 fault (release-refcount)" in failures
-        leaked = [v for p in result.policies for v in p.run.audit["examples"].get("drain", [])]
+        leaked = [v for p in result.policies for v in p.run.audit.examples.get("drain", [])]
         assert leaked, "the leak must be visible at drain"
     else:
         assert result.total("refcount_violations") == 0

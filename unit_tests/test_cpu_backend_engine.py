@@ -153,8 +153,8 @@ def test_engine_generates_with_prefix_caching_and_is_reproducible(mcore_series):
     # The prefix is real: greedy continuations differ between prompts.
     assert first.outputs[0].tokens != first.outputs[1].tokens
     # Requests 2 and 3 arrive after request 0 filled the two shared blocks: they match them.
-    assert first.counters["blocks_matched"] >= 4
-    assert first.counters["prefill_tokens_skipped"] > 0
+    assert first.counters.blocks_matched >= 4
+    assert first.counters.prefill_tokens_skipped > 0
     # A fresh model (same seed) and engine give the same bits.
     (second,) = _run(CASE)
     assert _results(first) == _results(second)
@@ -167,8 +167,8 @@ def test_engine_generates_with_prefix_caching_and_is_reproducible(mcore_series):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_prefix_caching_on_and_off_bit_identical(dtype):
     cached, uncached = _run(_variant(model={"params_dtype": dtype}), caching=(True, False))
-    assert cached.counters["prefill_tokens_skipped"] > 0
-    assert uncached.counters["prefill_tokens_skipped"] == 0
+    assert cached.counters.prefill_tokens_skipped > 0
+    assert uncached.counters.prefill_tokens_skipped == 0
     assert _results(cached) == _results(uncached)
 
 
@@ -176,7 +176,7 @@ def test_grouped_query_attention_model():
     case = _variant(model={"num_attention_heads": 4, "num_query_groups": 2})
     cached, uncached = _run(case, caching=(True, False))
     assert all(len(o.tokens) == 6 for o in cached.outputs.values())
-    assert cached.counters["prefill_tokens_skipped"] > 0
+    assert cached.counters.prefill_tokens_skipped > 0
     assert _results(cached) == _results(uncached)
 
 

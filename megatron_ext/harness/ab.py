@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Optional, Union
 
 from .. import mcore
 from ..api import apply, revert
-from .audit import FAULT_OF_KIND
+from .audits import FAULT_OF_KIND
 from .cases import Case, plan_requests, validate_planned
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint
 from .compare import RequestDiff, RequestOutput, compare_runs
@@ -82,7 +82,8 @@ class ABResult:
         return all(p.bit_identical for p in self.policies)
 
     def total(self, key: str) -> int:
-        return sum(p.run.audit.get(key, 0) for p in self.policies) + self.baseline.audit.get(key, 0)
+        """Sum of the audit count ``key`` (an :class:`AuditSummary` field) over every run."""
+        return sum(getattr(p.run.audit, key) for p in self.policies) + getattr(self.baseline.audit, key)
 
     def failures(self) -> list[str]:
         """Why the verdict is negative, one sentence each; empty when everything holds. Multi-rank:
@@ -105,7 +106,7 @@ class ABResult:
                 f"fix 1 fault (release-refcount): {self.total('refcount_violations')} ref-count / "
                 "free-pool / drain violations (shared blocks leaked)")
         for kind, what in LRU_FAULT_VIOLATIONS.items():
-            count = sum(run.audit.get("violations_by_kind", {}).get(kind, 0)
+            count = sum(run.audit.violations_by_kind.get(kind, 0)
                         for run in [self.baseline] + [p.run for p in self.policies])
             if count:
                 problems.append(f"{FAULT_OF_KIND[kind]}: {count} {what}")
@@ -120,11 +121,11 @@ class ABResult:
                 why = f" ({never_ran} never ran: the run ended early)" if p.run.error and never_ran else ""
                 problems.append(f"{p.policy}: {len(bad)} requests differ with caching on vs off{why}: "
                                 f"{', '.join(bad[:6])}")
-            if p.run.counters.get("blocks_matched", 0) < expect.min_blocks_matched:
-                problems.append(f"{p.policy}: only {p.run.counters.get('blocks_matched', 0)} blocks "
+            if p.run.counters.blocks_matched < expect.min_blocks_matched:
+                problems.append(f"{p.policy}: only {p.run.counters.blocks_matched} blocks "
                                 f"matched, case expects >= {expect.min_blocks_matched}")
-            if p.run.counters.get("prefill_tokens_skipped", 0) < expect.min_prefill_tokens_skipped:
-                problems.append(f"{p.policy}: only {p.run.counters.get('prefill_tokens_skipped', 0)} prefill "
+            if p.run.counters.prefill_tokens_skipped < expect.min_prefill_tokens_skipped:
+                problems.append(f"{p.policy}: only {p.run.counters.prefill_tokens_skipped} prefill "
                                 f"tokens skipped, case expects >= {expect.min_prefill_tokens_skipped}")
         return problems
 
@@ -144,8 +145,8 @@ class ABResult:
             "kv_write_violations": self.total("kv_write_violations"),
             "refcount_violations": self.total("refcount_violations"),
             "lru_violations": self.total("lru_violations"),
-            "prefill_tokens_skipped": sum(p.run.counters.get("prefill_tokens_skipped", 0) for p in self.policies),
-            "blocks_matched": sum(p.run.counters.get("blocks_matched", 0) for p in self.policies),
+            "prefill_tokens_skipped": sum(p.run.counters.prefill_tokens_skipped for p in self.policies),
+            "blocks_matched": sum(p.run.counters.blocks_matched for p in self.policies),
             "megatron_core_version": self.megatron_core_version,
             "device": self.device,
             "weights": self.weights(),
@@ -172,9 +173,9 @@ def _run_json(run: RunRecord) -> dict[str, Any]:
         "eviction_policy": run.eviction_policy,
         "steps": run.steps,
         "wall_s": round(run.wall_s, 3),
-        "counters": run.counters,
-        "pressure": run.pressure,
-        "audit": run.audit,
+        "counters": asdict(run.counters),
+        "pressure": asdict(run.pressure),
+        "audit": asdict(run.audit),
         "outputs": {rid: {"label": o.label, "tokens": o.tokens, "log_probs": o.log_probs,
                           "token_steps": o.token_steps} for rid, o in run.outputs.items()},
     }

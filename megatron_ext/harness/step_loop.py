@@ -3,7 +3,7 @@
 A run builds the model and engine for the case (prefix caching on or off, one eviction policy),
 feeds each planned request at its arrival step, steps the engine until every request finished,
 and records per request the generated tokens, their log-probs and the step each token came from.
-The context audits (:mod:`megatron_ext.harness.audit`) check every step and count prefix-cache hits.
+The context audits (:mod:`megatron_ext.harness.audits`) check every step and count prefix-cache hits.
 An exception raised inside megatron-core ends the run and is recorded, not raised, so the report
 still shows what happened up to that step.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .. import mcore
-from .audit import ContextAudit
+from .audits import AuditSummary, ContextAudit, PoolPressure, PrefixCacheCounters
 from .cases import Case, PlannedRequest, validate_planned
 from .compare import RequestOutput
 
@@ -38,13 +38,10 @@ class RunRecord:
         eviction_policy: ``ref_zero`` / ``lru`` (None with prefix caching off).
         outputs: request ID -> :class:`RequestOutput`.
         steps: engine steps taken (idle steps waiting for an arrival included).
-        counters: prefix-cache counters measured by the audit at each ``add_request``
-            (``blocks_matched``, ``prefill_tokens_skipped``, ``prefill_tokens_computed``,
-            ``cache_hits``), all ints.
+        counters: prefix-cache counters measured by the audit at each ``add_request``.
         audit: :meth:`ContextAudit.summary` of the run.
-        pressure: KV pool pressure (:meth:`ContextAudit.summary`'s ``pressure``, all ints) plus
-            ``requests_evicted``: requests megatron-core evicted from a full pool to be re-run
-            later (its ``evicted_request_count``).
+        pressure: KV pool pressure measured by the audit, with ``requests_evicted`` from
+            megatron-core's ``evicted_request_count``.
         wall_s: wall-clock seconds for the run, build included.
         total_blocks: KV blocks in the context (dummy block included).
         error: the exception megatron-core raised during the run, as one line, or None.
@@ -54,9 +51,9 @@ class RunRecord:
     eviction_policy: Optional[str]
     outputs: dict[int, RequestOutput] = field(default_factory=dict)
     steps: int = 0
-    counters: dict[str, int] = field(default_factory=dict)
-    audit: dict[str, Any] = field(default_factory=dict)
-    pressure: dict[str, int] = field(default_factory=dict)
+    counters: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
+    audit: AuditSummary = field(default_factory=AuditSummary)
+    pressure: PoolPressure = field(default_factory=PoolPressure)
     wall_s: float = 0.0
     total_blocks: int = 0
     error: Optional[str] = None
@@ -147,9 +144,9 @@ def drive(
     finally:
         audit.detach()
     record.audit = audit.summary()
-    record.counters = record.audit.pop("prefix_cache")
-    record.pressure = record.audit.pop("pressure")
-    record.pressure["requests_evicted"] = int(engine.evicted_request_count)  # every release 0.17-0.19 has it
+    record.counters = audit.counters
+    record.pressure = audit.pressure
+    record.pressure.requests_evicted = int(engine.evicted_request_count)  # every release 0.17-0.19 has it
 
 
 def describe_exception(exc: BaseException) -> str:
