@@ -78,10 +78,70 @@ def _generated(engine: Any, request_id: int) -> int:
     return sum(len(r.generated_tokens) for r in record)
 
 
+def merged_record(record: Any) -> Any:
+    """A finished request's record as one request (0.18+ keep one entry per eviction: merged)."""
+    return record.merge() if hasattr(record, "merge") else record
+
+
 def _finish(output: RequestOutput, record: Any) -> None:
-    merged = record.merge() if hasattr(record, "merge") else record
+    merged = merged_record(record)
     output.tokens = [int(t) for t in merged.generated_tokens]
     output.log_probs = [float(x) for x in (merged.generated_log_probs or [])]
+
+
+def step_until_done(
+    engine: Any,
+    case: Case,
+    planned: list[PlannedRequest],
+    on_added: Callable[[PlannedRequest], None],
+    on_stepped: Callable[[set[int], list[tuple[int, Any]]], None],
+    on_tick: Callable[[int], None],
+    step: Optional[Callable[[], Any]] = None,
+) -> None:
+    """The step loop: add each planned request at its arrival step, step the engine while any
+    request is live, until every request finished.
+
+    Args:
+        engine: megatron-core's ``DynamicInferenceEngine``.
+        case: the case (its sampling settings).
+        planned: the requests, in arrival order.
+        on_added: called with each request right after ``engine.add_request``.
+        on_stepped: after each engine step: the requests still live and ``(request ID, record)``
+            of each request that finished in that step.
+        on_tick: after each loop iteration (an engine step, or an idle step waiting for an
+            arrival) with the number of steps taken so far.
+        step: what steps the engine (default ``engine.step_modern``), e.g. a timed call.
+
+    Raises:
+        EngineStuckError: more than ``MAX_STEPS_PER_REQUEST * len(planned)`` steps.
+    """
+    step = step or engine.step_modern
+    waiting = deque(planned)
+    live: set[int] = set()
+    steps = 0
+    budget = MAX_STEPS_PER_REQUEST * len(planned)
+    while waiting or live:
+        while waiting and waiting[0].arrival_step <= steps:
+            request = waiting.popleft()
+            engine.add_request(request.request_id, list(request.prompt_tokens),
+                               sampling_params(case, request))
+            on_added(request)
+            live.add(request.request_id)
+        if live:
+            result = step()
+            finished_now = []
+            for finished in (result or {}).get("finished_request_records", []):
+                request_id = finished.request_id if hasattr(finished, "request_id") else finished[-1].request_id
+                live.discard(request_id)
+                finished_now.append((request_id, finished))
+            on_stepped(live, finished_now)
+        steps += 1
+        on_tick(steps)
+        if steps > budget:
+            raise EngineStuckError(
+                f"case '{case.name}': {len(live) + len(waiting)} requests unfinished after "
+                f"{steps} steps; the engine made no progress"
+            )
 
 
 def drive(
@@ -104,36 +164,24 @@ def drive(
     """
     validate_planned(planned)
     audit = ContextAudit(context, check_ref_counts=context.enable_prefix_caching).attach()
-    waiting = deque(planned)
-    live: set[int] = set()
-    budget = MAX_STEPS_PER_REQUEST * len(planned)
+
+    def added(request: PlannedRequest) -> None:
+        record.outputs[request.request_id] = RequestOutput(
+            request.request_id, request.label, len(request.prompt_tokens))
+
+    def stepped(live: set[int], finished_now: list[tuple[int, Any]]) -> None:
+        for request_id, finished in finished_now:
+            _finish(record.outputs[request_id], finished)
+        _note_token_steps(engine, record, live, [request_id for request_id, _ in finished_now])
+        audit.end_step()
+
+    def ticked(steps: int) -> None:
+        record.steps = steps
+        if on_step:
+            on_step(steps)
+
     try:
-        while waiting or live:
-            while waiting and waiting[0].arrival_step <= record.steps:
-                request = waiting.popleft()
-                engine.add_request(request.request_id, list(request.prompt_tokens),
-                                   sampling_params(case, request))
-                record.outputs[request.request_id] = RequestOutput(
-                    request.request_id, request.label, len(request.prompt_tokens))
-                live.add(request.request_id)
-            if live:
-                result = engine.step_modern()
-                finished_now = []
-                for finished in (result or {}).get("finished_request_records", []):
-                    request_id = finished.request_id if hasattr(finished, "request_id") else finished[-1].request_id
-                    _finish(record.outputs[request_id], finished)
-                    live.discard(request_id)
-                    finished_now.append(request_id)
-                _note_token_steps(engine, record, live, finished_now)
-                audit.end_step()
-            record.steps += 1
-            if on_step:
-                on_step(record.steps)
-            if record.steps > budget:
-                raise EngineStuckError(
-                    f"case '{case.name}': {len(live) + len(waiting)} requests unfinished after "
-                    f"{record.steps} steps; the engine made no progress"
-                )
+        step_until_done(engine, case, planned, added, stepped, ticked)
         if context.enable_prefix_caching:
             audit.drain()
     except EngineStuckError:
