@@ -16,7 +16,9 @@ from .base import AuditLog, Violation
 
 @dataclass
 class KVWriteAudit:
-    """Attributes:
+    """Checks every KV append against the writing request's own blocks (fault 2).
+
+    Attributes:
         log: the context's :class:`AuditLog`.
         matched_blocks: request ID -> block IDs it obtained by a hash match.
         kv_writes_checked: number of (token, layer) KV writes inspected.

@@ -20,7 +20,9 @@ from .base import AuditLog, Violation
 
 @dataclass
 class LRUAudit:
-    """Attributes:
+    """Checks block tables, prefix chains and child counts (faults 3-5).
+
+    Attributes:
         log: the context's :class:`AuditLog`.
     """
 

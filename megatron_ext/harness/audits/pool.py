@@ -64,7 +64,9 @@ class PoolPressure:
 
 @dataclass
 class PoolAudit:
-    """Attributes:
+    """Measures KV pool pressure and prefix-cache counters over a run (nothing it sees is a violation).
+
+    Attributes:
         log: the context's :class:`AuditLog`.
         counters: :class:`PrefixCacheCounters` so far.
         pressure: :class:`PoolPressure` so far.

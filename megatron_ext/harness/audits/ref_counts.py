@@ -15,7 +15,9 @@ from .base import AuditLog, Violation
 
 @dataclass
 class RefCountAudit:
-    """Attributes:
+    """Checks ref counts against live owners and the free pool after each step, and the drain (fault 1).
+
+    Attributes:
         log: the context's :class:`AuditLog`.
     """
 
