@@ -9,11 +9,9 @@ from __future__ import annotations
 import pytest
 
 import megatron_ext
-from megatron_ext import mcore
-from megatron_ext.ab import run_ab
-from megatron_ext.cases import load_case, shipped_cases
-
-SERIES = mcore.release_series(mcore.installed_version())
+from functional_tests.conftest import SERIES
+from megatron_ext.harness.ab import run_ab
+from megatron_ext.harness.cases import load_case, shipped_cases
 
 #: The LRU fixes whose faults ``lru_pressure`` reaches on each release series, with what shows
 #: in the verdict when only that fix is left out (MEGATRON_EXT_SKIP).
@@ -36,13 +34,13 @@ def test_case_patched_is_bit_identical_and_audit_clean(name):
     assert result.total("kv_write_violations") == 0
     assert result.total("refcount_violations") == 0
     assert result.total("lru_violations") == 0
-    assert all(run.error is None for run in [result.baseline] + [p.run for p in result.policies])
-    assert all(p.run.counters["prefill_tokens_skipped"] > 0 for p in result.policies)
+    assert all(run.error is None for run in result.runs)
+    assert all(p.run.counters.prefill_tokens_skipped > 0 for p in result.policies)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fix", sorted(LRU_PRESSURE_FAULTS[SERIES]))
-def test_lru_pressure_reaches_the_fault_of_each_lru_fix(fix, monkeypatch):
+def test_lru_pressure_reaches_the_fault_of_each_lru_fix(fix, monkeypatch, mcore_series):
     """All runtime patches but ``fix``: the case must fail with that fix's fault."""
     megatron_ext.revert()
     monkeypatch.setenv("MEGATRON_EXT_SKIP", fix)
@@ -52,30 +50,30 @@ def test_lru_pressure_reaches_the_fault_of_each_lru_fix(fix, monkeypatch):
         megatron_ext.revert()
     skipped = next(p for p in result.patches if p["patch"] == fix)
     assert skipped["state"] == "not applied"
-    assert LRU_PRESSURE_FAULTS[SERIES][fix] in " ".join(result.failures())
+    assert LRU_PRESSURE_FAULTS[mcore_series][fix] in " ".join(result.failures())
     assert result.exit_code() == 1
 
 
 @pytest.mark.slow
-def test_lru_pressure_unpatched_fails_with_an_lru_fault():
+def test_lru_pressure_unpatched_fails_with_an_lru_fault(mcore_series):
     result = run_ab(load_case("lru_pressure"), patched=False)
     failures = " ".join(result.failures())
     assert "active_request_count == 0 with no hidden chunked prefill" in failures  # fault 6, step 10
-    if SERIES in ("0.17", "0.18"):
+    if mcore_series in ("0.17", "0.18"):
         assert "fix 3 fault (lru-leaf-first-eviction)" in failures
     assert result.exit_code() == 1
 
 
 @pytest.mark.slow
-def test_unpatched_audits_catch_the_faults_of_this_release():
+def test_unpatched_audits_catch_the_faults_of_this_release(mcore_series):
     result = run_ab(load_case("rl_rollouts"), patched=False)
     assert result.total("kv_write_violations") > 0  # fix 2's fault: every release up to 0.19.2
     failures = " ".join(result.failures())
     assert "fix 2 fault (matched-block-writes)" in failures
-    if SERIES in ("0.17", "0.18"):
+    if mcore_series in ("0.17", "0.18"):
         assert result.total("refcount_violations") > 0  # fix 1's leak
         assert "fix 1 fault (release-refcount)" in failures
-        leaked = [v for p in result.policies for v in p.run.audit["examples"].get("drain", [])]
+        leaked = [v for p in result.policies for v in p.run.audit.examples.get("drain", [])]
         assert leaked, "the leak must be visible at drain"
     else:
         assert result.total("refcount_violations") == 0

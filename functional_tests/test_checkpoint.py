@@ -26,13 +26,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from functional_tests.test_multirank import _tail, assert_clean, multirank_only, torchrun, torchrun_ab
 from megatron_ext import cli
-from megatron_ext.ab import run_ab
-from megatron_ext.cases import load_case
-from megatron_ext.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint
+from megatron_ext.harness.ab import run_ab
+from megatron_ext.harness.cases import load_case
+from megatron_ext.harness.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint
 from megatron_ext.cpu_backend import cpu_backend
-from megatron_ext.engine import build_model, ensure_model_parallel
+from megatron_ext.harness.engine import build_model, ensure_model_parallel
 
 CASE = "rl_rollouts"
 S1 = 4321  # the saved model's seed
@@ -103,7 +102,7 @@ def test_tp1_ab_load_generates_the_saved_models_tokens(saved_s1, tmp_path, capfd
     with_s1 = run_ab(seeded_case(S1))  # the saved weights, built from the seed
     with_s2 = run_ab(seeded_case(S2))  # what ab had built before loading
     runs = [loaded["baseline"]] + [p["run"] for p in loaded["policies"]]
-    references = [with_s1.baseline] + [p.run for p in with_s1.policies]
+    references = with_s1.runs
     assert len(runs) == len(references) == 3
     for run, reference in zip(runs, references):
         assert run["eviction_policy"] == reference.eviction_policy
@@ -117,26 +116,26 @@ def test_tp1_ab_load_generates_the_saved_models_tokens(saved_s1, tmp_path, capfd
 
 
 @pytest.fixture(scope="module")
-def saved_tp2(tmp_path_factory) -> Path:
+def saved_tp2(tmp_path_factory, torchrun) -> Path:
     """The seed-S1 model saved on 2 ranks with TP=2 (torchrun ``save-checkpoint``)."""
     path = tmp_path_factory.mktemp("tp2") / "ckpt"
-    code, output = torchrun(2, ["save-checkpoint", str(path), "--case", CASE, "--seed", str(S1),
+    code, output = torchrun.run(2, ["save-checkpoint", str(path), "--case", CASE, "--seed", str(S1),
                                 "--tensor-model-parallel-size", "2"], label="save-checkpoint TP=2")
-    assert code == 0, _tail(output)
+    assert code == 0, torchrun.tail(output)
     assert "TP=2 PP=1" in output
     return path
 
 
 @pytest.fixture(scope="module")
-def loaded_at_tp2(saved_tp2, tmp_path_factory) -> tuple[int, str, dict | None]:
+def loaded_at_tp2(saved_tp2, tmp_path_factory, torchrun) -> tuple[int, str, dict | None]:
     """``ab --load`` of the TP=2 checkpoint on 2 ranks: (exit code, output, rank 0's JSON)."""
-    return torchrun_ab(tmp_path_factory.mktemp("ab-tp2"), tp=2, pp=1, extra=("--load", str(saved_tp2)))
+    return torchrun.ab(tmp_path_factory.mktemp("ab-tp2"), tp=2, pp=1, extra=("--load", str(saved_tp2)))
 
 
 @pytest.mark.slow
-def test_tp2_checkpoint_loads_at_tp2_through_ab(saved_tp2, loaded_at_tp2):
+def test_tp2_checkpoint_loads_at_tp2_through_ab(saved_tp2, loaded_at_tp2, torchrun):
     code, output, result = loaded_at_tp2
-    assert_clean(2, 1, code, output, result)
+    torchrun.assert_clean(2, 1, code, output, result)
     assert result["weights"]["path"] == str(saved_tp2)
     assert f"weights: checkpoint {saved_tp2}, torch_dist" in output
 
@@ -182,13 +181,13 @@ def test_tp2_checkpoint_loads_at_tp1(saved_tp2, loaded_at_tp2, tmp_path, capfd):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp", [pytest.param(1, 2, id="pp2", marks=multirank_only)])
-def test_tp1_checkpoint_loads_pipeline_parallel(saved_s1, tmp_path, tp, pp):
+@pytest.mark.parametrize("tp, pp", [pytest.param(1, 2, id="pp2", marks=pytest.mark.multirank)])
+def test_tp1_checkpoint_loads_pipeline_parallel(saved_s1, tmp_path, torchrun, tp, pp):
     """Opt-in (``-m multirank``): the TP=1 checkpoint on pipeline stages; each stage reads its
     layers, the first the embedding, the last the output layer; same tokens as TP=1."""
     save, _ = saved_s1
-    code, output, result = torchrun_ab(tmp_path, tp=tp, pp=pp, extra=("--load", str(save)))
-    assert_clean(tp, pp, code, output, result)
+    code, output, result = torchrun.ab(tmp_path, tp=tp, pp=pp, extra=("--load", str(save)))
+    torchrun.assert_clean(tp, pp, code, output, result)
     assert result["weights"]["iteration"] == 7
     reference = run_ab(seeded_case(S1))
     for request_id, out in result["baseline"]["outputs"].items():
@@ -201,12 +200,12 @@ def test_tp1_checkpoint_loads_pipeline_parallel(saved_s1, tmp_path, tp, pp):
 @pytest.fixture
 def no_engine(monkeypatch):
     """Fails the test if ab gets as far as building an engine."""
-    import megatron_ext.ab
+    import megatron_ext.harness.ab
 
     def refuse(*args, **kwargs):
         raise AssertionError("an engine was built despite the bad checkpoint")
 
-    monkeypatch.setattr(megatron_ext.ab, "build_engine", refuse)
+    monkeypatch.setattr(megatron_ext.harness.ab, "build_engine", refuse)
 
 
 def ab_load(path, capfd) -> tuple[int, str]:

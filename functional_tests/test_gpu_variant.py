@@ -26,11 +26,11 @@ import torch
 
 from megatron_ext import mcore
 from megatron_ext.api import apply
-from megatron_ext.cases import load_case, plan_requests
-from megatron_ext.compare import compare_runs
-from megatron_ext.engine import engine_tokenizer, ensure_model_parallel
-from megatron_ext.harness import RunRecord, drive
-from megatron_ext.tokenizer import ByteTokenizer
+from megatron_ext.harness.cases import load_case, plan_requests
+from megatron_ext.harness.compare import compare_runs
+from megatron_ext.harness.engine import engine_tokenizer, ensure_model_parallel
+from megatron_ext.harness.step_loop import RunRecord, drive
+from megatron_ext.harness.tokenizer import ByteTokenizer
 
 
 def _missing() -> str | None:
@@ -117,8 +117,8 @@ def test_gpu_prefix_caching_is_bit_identical(cuda_graphs):
             run = _run(model, case, planned, True, policy, cuda_graphs)
             diffs = compare_runs(baseline.outputs, run.outputs)
             assert [d.label for d in diffs if not d.identical] == [], f"{policy}: caching on != off"
-            assert run.audit["kv_write_violations"] == 0, run.audit["examples"]
-            assert run.audit["refcount_violations"] == 0, run.audit["examples"]
-            assert run.counters["prefill_tokens_skipped"] > 0
+            assert run.audit.kv_write_violations == 0, run.audit.examples
+            assert run.audit.refcount_violations == 0, run.audit.examples
+            assert run.counters.prefill_tokens_skipped > 0
             if not cuda_graphs:
-                assert run.audit["kv_writes_checked"] > 0
+                assert run.audit.kv_writes_checked > 0

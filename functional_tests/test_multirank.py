@@ -10,151 +10,52 @@ zero KV-write and ref-count violations on every rank, and identical outputs on a
   PP=2. PP runs on CPU ranks because the CPU backend lets megatron-core's pipeline communication
   (``communication_utils``, which asserts ``tensor.is_cuda``) send CPU tensors.
 
-Each torchrun runs in its own session with a hard timeout (``MEGATRON_EXT_MULTIRANK_TIMEOUT_S``,
-default 420 s); on timeout the whole process group is killed and the test fails with the output.
+The ``torchrun`` fixture (``functional_tests/conftest.py``) runs each torchrun in its own session
+with a hard timeout (``MEGATRON_EXT_MULTIRANK_TIMEOUT_S``, default 420 s); on timeout the whole
+process group is killed and the test fails with the output.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
-from megatron_ext.cases import shipped_cases
-
-REPO = Path(__file__).resolve().parents[1]
-TIMEOUT_S = float(os.environ.get("MEGATRON_EXT_MULTIRANK_TIMEOUT_S", "420"))
-OPT_IN = os.environ.get("MEGATRON_EXT_MULTIRANK") == "1"
-
-multirank_only = [
-    pytest.mark.multirank,
-    pytest.mark.skipif(not OPT_IN, reason="multi-rank torchrun runs: scripts/run_functional_tests.sh "
-                                          "(or MEGATRON_EXT_MULTIRANK=1)"),
-]
-
-
-
-def torchrun_ab(tmp_path: Path, tp: int, pp: int, case: str = "rl_rollouts",
-                extra: tuple[str, ...] = ()) -> tuple[int, str, dict | None]:
-    """Run ``ab`` on ``tp * pp`` CPU ranks; return (exit code, output, JSON or None)."""
-    out = tmp_path / f"{case}-tp{tp}-pp{pp}.json"
-    code, output = torchrun(tp * pp, ["ab", "--case", case, "--no-progress", "--width", "160",
-                                      "--tensor-model-parallel-size", str(tp),
-                                      "--pipeline-model-parallel-size", str(pp),
-                                      "--json", str(out), *extra],
-                            label=f"TP={tp} PP={pp} {case}")
-    return code, output, json.loads(out.read_text()) if out.exists() else None
-
-
-def torchrun(nproc: int, args: list[str], label: str) -> tuple[int, str]:
-    """``torchrun --standalone --nproc-per-node NPROC -m megatron_ext ARGS``; (exit code, output).
-
-    Fails the test with the output tail if it runs past ``TIMEOUT_S`` (the ranks are killed)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "megatron_ext", *args]
-    env = {**os.environ, "MEGATRON_EXT_DIST_TIMEOUT_S": os.environ.get("MEGATRON_EXT_DIST_TIMEOUT_S", "120")}
-    started = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    # a SIGTERM to pytest (scripts/run_functional_tests.sh --timeout) must not orphan the ranks
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        output = _stop(proc)
-        pytest.fail(f"torchrun {label}: no result after {TIMEOUT_S:.0f} s (hung rank?); "
-                    f"output tail:\n{_tail(output)}")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if proc.poll() is None:
-            _stop(proc)
-    print(f"torchrun {label}: exit {proc.returncode} after {time.monotonic() - started:.0f} s")
-    return proc.returncode, output
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _stop(proc: subprocess.Popen) -> str:
-    """Stop torchrun: SIGTERM first (it then stops its ranks, each in its own session), SIGKILL
-    to its process group if it is still there after 45 s. Returns what it printed."""
-    try:
-        proc.terminate()
-        output, _ = proc.communicate(timeout=45)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-    return output or ""
-
-
-def _tail(output: str, lines: int = 40) -> str:
-    keep = [line for line in output.splitlines() if not line.startswith("[Gloo]")]
-    return "\n".join(keep[-lines:])
-
-
-def assert_clean(tp: int, pp: int, code: int, output: str, result: dict | None) -> None:
-    assert result is not None, f"rank 0 wrote no JSON (exit {code}):\n{_tail(output)}"
-    assert result["failures"] == [], result["failures"]
-    assert code == 0, _tail(output)
-    assert result["verdict"] == "pass"
-    assert result["bit_identical"] is True
-    assert result["kv_write_violations"] == 0 and result["refcount_violations"] == 0
-    assert result["layout"] == {"world_size": tp * pp, "tensor_model_parallel_size": tp,
-                                "pipeline_model_parallel_size": pp}
-    ranks = result["ranks"]
-    assert [r["rank"] for r in ranks] == list(range(tp * pp))
-    assert all(r["verdict"] == "pass" and r["batch_invariance_ok"] for r in ranks)
-    assert all(r["kv_write_violations"] == 0 and r["refcount_violations"] == 0 for r in ranks)
-    # TP ranks sample from the same gathered logits; PP stages get the last stage's tokens
-    assert len({r["outputs_sha256"] for r in ranks}) == 1, "ranks disagree on generated tokens/log-probs"
-    assert result["prefill_tokens_skipped"] > 0
-    # rank 0's report only: gloo's and megatron-core's own output went to log files, and ranks
-    # other than 0 printed nothing and left no log behind
-    assert not [line for line in output.splitlines() if "[Gloo]" in line or "IS DEPRECATED" in line]
-    assert output.rstrip().splitlines()[-1].startswith("PASS: ")
+from megatron_ext.harness.cases import shipped_cases
 
 
 @pytest.mark.slow
-def test_default_case_tp2(tmp_path):
-    code, output, result = torchrun_ab(tmp_path, tp=2, pp=1)
-    assert_clean(2, 1, code, output, result)
+def test_default_case_tp2(tmp_path, torchrun):
+    code, output, result = torchrun.ab(tmp_path, tp=2, pp=1)
+    torchrun.assert_clean(2, 1, code, output, result)
 
 
 def _case_param(name: str):
     # No expected failure for memory_pressure on 0.17/0.18 here: at TP=2 (vocabulary padded to the
     # TP size, other tokens) its LRU run does not reach the upstream eviction-order fault that the
     # single-rank case hits; the strict xfail it had XPASSed on 0.17.1 and 0.18.2.
-    return pytest.param(name, marks=list(multirank_only), id=name)
+    return pytest.param(name, marks=pytest.mark.multirank, id=name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [_case_param(n) for n in shipped_cases() if n != "rl_rollouts"])
-def test_shipped_case_tp2(tmp_path, case):
-    code, output, result = torchrun_ab(tmp_path, tp=2, pp=1, case=case)
-    assert_clean(2, 1, code, output, result)
+def test_shipped_case_tp2(tmp_path, torchrun, case):
+    code, output, result = torchrun.ab(tmp_path, tp=2, pp=1, case=case)
+    torchrun.assert_clean(2, 1, code, output, result)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp", [pytest.param(1, 2, id="pp2", marks=multirank_only),
-                                    pytest.param(2, 2, id="tp2pp2", marks=multirank_only)])
-def test_default_case_pipeline_parallel(tmp_path, tp, pp):
+@pytest.mark.parametrize("tp, pp", [pytest.param(1, 2, id="pp2", marks=pytest.mark.multirank),
+                                    pytest.param(2, 2, id="tp2pp2", marks=pytest.mark.multirank)])
+def test_default_case_pipeline_parallel(tmp_path, torchrun, tp, pp):
     # PP runs on CPU ranks because the CPU backend lets communication_utils send CPU tensors
     # (megatron_ext/cpu_backend/pipeline.py).
-    code, output, result = torchrun_ab(tmp_path, tp=tp, pp=pp)
-    assert_clean(tp, pp, code, output, result)
+    code, output, result = torchrun.ab(tmp_path, tp=tp, pp=pp)
+    torchrun.assert_clean(tp, pp, code, output, result)
 
 
 def test_rank_failures_name_each_failing_rank_and_disagreement():
     """Rank 0's verdict covers every rank: a failure on one rank only, one shared by several
     ranks (reported once), and ranks whose outputs differ from rank 0's. No torchrun needed."""
-    from megatron_ext.distributed import describe_layout, rank_failures
+    from megatron_ext.harness.distributed import describe_layout, rank_failures
 
     def verdict(rank, failures=(), digest="a"):
         return {"rank": rank, "world_size": 4, "tensor_model_parallel_size": 2,

@@ -18,31 +18,21 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
+from functional_tests.conftest import REPO, SERIES
 from megatron_ext import mcore
-from megatron_ext.source_patches import SourcePatchError, patch_source, tree_version
+from megatron_ext.source_patches import SourcePatchError, patch_source, tree_version, unpack_release
 
-REPO = Path(__file__).resolve().parent.parent
 WHEELS = REPO / ".venv" / "mcore-wheels"  # pip download cache, outside git
-SERIES = mcore.release_series(mcore.installed_version())
 RELEASES = [r for r in mcore.SUPPORTED_RELEASES if mcore.release_series(r) == SERIES]
 
 
 def pristine_tree(version: str, tmp_path: Path) -> Path:
     """Unpack megatron-core==version's wheel (downloaded once into .venv/mcore-wheels)."""
-    WHEELS.mkdir(parents=True, exist_ok=True)
-    wheels = list(WHEELS.glob(f"megatron_core-{version}-*.whl"))
-    if not wheels:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(WHEELS),
-                        f"megatron-core=={version}"], check=True, capture_output=True)
-        wheels = list(WHEELS.glob(f"megatron_core-{version}-*.whl"))
-    tree = tmp_path / f"mcore-{version}"
-    zipfile.ZipFile(wheels[0]).extractall(tree)
-    return tree
+    return unpack_release(version, tmp_path / f"mcore-{version}", WHEELS)
 
 
 def run_with(tree: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:

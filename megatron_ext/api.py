@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
 from . import mcore
+from .env import flag, name_set
 from .errors import PatchRefusedError
 from .patching import PatchResult, PatchState
 from .patches import ALL_PATCHES
@@ -21,11 +21,11 @@ SKIP_ENV = "MEGATRON_EXT_SKIP"
 
 
 def _env_force() -> bool:
-    return os.environ.get(FORCE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return flag(FORCE_ENV)
 
 
 def _skipped() -> set[str]:
-    return {name.strip() for name in os.environ.get(SKIP_ENV, "").split(",") if name.strip()}
+    return name_set(SKIP_ENV)
 
 
 def status(force: bool | None = None) -> list[PatchResult]:

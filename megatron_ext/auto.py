@@ -6,7 +6,7 @@ on with megatron-core unpatched and the line says why; use ``megatron_ext.apply(
 fail instead.
 """
 
-from .report import announce
+from .announce import announce
 from .api import apply
 
 RESULTS = apply()

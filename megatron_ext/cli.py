@@ -59,10 +59,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_ab(args: argparse.Namespace) -> int:
     """Run a case with prefix caching off and on; exit 0 only if bit-identical and audit-clean."""
-    from .ab import run_ab
-    from .ab_report import print_report, write_plot
-    from .cases import load_case, shipped_cases
-    from .distributed import RankFailedError, describe_layout
+    from .harness.ab import run_ab
+    from .harness.report import print_report, write_plot
+    from .harness.cases import load_case, shipped_cases
+    from .harness.distributed import RankFailedError, describe_layout
 
     if args.list_cases:
         print("\n".join(shipped_cases()))
@@ -79,7 +79,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         return 2
     case = load_case(args.case)
     if args.prompts is not None:
-        from .prompts import prompts_case
+        from .harness.prompts import prompts_case
 
         case = prompts_case(case, Path(args.prompts), args.samples or 1, args.num_tokens_to_generate)
     elif args.samples is not None or args.num_tokens_to_generate is not None:
@@ -88,7 +88,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         return 2
     checkpoint = None
     if args.load is not None:  # a bad path fails here, before the model or any engine is built
-        from .checkpoint import resolve_checkpoint
+        from .harness.checkpoint import resolve_checkpoint
 
         checkpoint = resolve_checkpoint(args.load)
     log = _library_log(args, "ab")
@@ -186,10 +186,10 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
     The model is built exactly as ``ab`` builds it (same case model section, same seed unless
     ``--seed``), on CPU ranks; under torchrun each rank writes its TP/PP shards.
     """
-    from .cases import load_case
-    from .checkpoint import save_checkpoint
+    from .harness.cases import load_case
+    from .harness.checkpoint import save_checkpoint
     from .cpu_backend import cpu_backend
-    from .engine import build_model, ensure_model_parallel
+    from .harness.engine import build_model, ensure_model_parallel
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if not _layout_fits(tp, pp, "save-checkpoint"):
@@ -211,12 +211,12 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    """``ab`` on a generated workload of ``--requests`` requests (:func:`megatron_ext.soak.soak_case`);
+    """``ab`` on a generated workload of ``--requests`` requests (:func:`megatron_ext.harness.soak.soak_case`);
     exit codes as ``ab``."""
-    from .ab import run_ab
-    from .ab_report import print_report
-    from .cases import dump_case
-    from .soak import soak_case, soak_summary
+    from .harness.ab import run_ab
+    from .harness.report import print_report
+    from .harness.cases import dump_case
+    from .harness.soak import soak_case, soak_summary
 
     if not _outputs_writable({"--json": args.json, "--dump-case": args.dump_case}):
         return 2
@@ -249,8 +249,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     Exit 0 if every compared pair is bit-identical, 1 if any request differs, 2 bad input.
     """
-    from .ab_report import diff_table, write_diff_plot
-    from .recorded import compare_recorded, pair_runs
+    from .harness.report import diff_table, write_diff_plot
+    from .harness.recorded import compare_recorded, pair_runs
 
     if not _outputs_writable({"--json": args.json, "--plot": args.plot}) or not _plot_possible(args.plot):
         return 2
@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_soak = sub.add_parser(
         "soak", help="ab on a generated workload of many requests sharing prefixes, under KV pressure",
-        description="Generates a reproducible workload (megatron_ext/soak.py: RL rollouts, multi-turn "
+        description="Generates a reproducible workload (megatron_ext/harness/soak.py: RL rollouts, multi-turn "
         "conversations, shared system prompts; Poisson arrivals; chunked prefill; a 48-block KV pool "
         "that pauses requests and makes LRU evict) and runs it as 'ab' does: caching off once, on "
         "once per policy. Exit codes as 'ab'. Cost on one CPU core: about 0.3 s per request for the "
@@ -470,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         if _world()[1] > 1:  # under torchrun: leave the process group together (not in-process callers)
-            from .distributed import shut_down
+            from .harness.distributed import shut_down
 
             shut_down()
 

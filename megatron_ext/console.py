@@ -148,7 +148,7 @@ class RunProgress:
             self.bar.update(1)
 
     def on_run(self, run: Any) -> None:
-        """Called with each finished run (a :class:`megatron_ext.harness.RunRecord`)."""
+        """Called with each finished run (a :class:`megatron_ext.harness.step_loop.RunRecord`)."""
         if self.enabled and self.bar is None:
             print(f"{self.case_name}: {run.label}: {run.steps} engine steps, {run.wall_s:.1f} s",
                   file=self.output.stdout, flush=True)

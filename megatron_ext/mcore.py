@@ -14,7 +14,9 @@ from packaging.version import InvalidVersion, Version
 
 from .errors import MegatronCoreNotFoundError
 
-#: Releases megatron-ext was written and tested against (both fixes are defined for each).
+#: Releases megatron-ext was written and tested against: the one list. The patches' fingerprints,
+#: patches/index.yaml, scripts/bootstrap.sh, pyproject.toml, .ci/run and the README must agree
+#: with it (unit_tests/test_supported_releases.py).
 SUPPORTED_RELEASES: tuple[str, ...] = ("0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2")
 
 KV_BLOCK_ALLOCATOR_MODULE = "megatron.core.inference.contexts.kv_block_allocator"

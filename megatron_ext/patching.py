@@ -135,15 +135,11 @@ class Patch(ABC):
 
     Attributes:
         name: short name used in status output and in the ``MEGATRON_EXT_SKIP`` variable.
-        title: one line saying what the patch fixes.
-        upstream: the upstream change it mirrors.
         fingerprints: release -> {``Class.method``: fingerprint} of every target and every
             function the wrapper relies on, recorded from the released wheels.
     """
 
     name: str = field(init=False, default="")
-    title: str = field(init=False, default="")
-    upstream: str = field(init=False, default="")
     fingerprints: dict[str, dict[str, str]] = field(init=False, default_factory=dict)
     _saved: dict[Target, Any] = field(init=False, default_factory=dict)
 

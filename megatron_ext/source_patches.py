@@ -14,6 +14,8 @@ import importlib.util
 import re
 import shutil
 import subprocess
+import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +36,6 @@ class SourcePatchState(str, enum.Enum):
     REVERTED = "reverted"
     WOULD_APPLY = "would apply"
     WOULD_REVERT = "would revert"
-    ALREADY_APPLIED = "already applied"
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,42 @@ def tree_version(tree: Path) -> str:
     if len(fields) != 3:
         raise SourcePatchError(f"cannot read MAJOR/MINOR/PATCH from {info}")
     return f"{fields['MAJOR']}.{fields['MINOR']}.{fields['PATCH']}"
+
+
+def release_wheel(version: str, cache: Path) -> Path:
+    """The wheel ``megatron_core-<version>-*.whl`` in ``cache``, downloaded there first if missing
+    (``pip download --no-deps megatron-core==<version>``).
+
+    Raises:
+        SourcePatchError: pip could not download it (no network, unknown release).
+    """
+    cache = Path(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(cache.glob(f"megatron_core-{version}-*.whl"))
+    if not wheels:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(cache),
+             f"megatron-core=={version}"],
+            capture_output=True, text=True,
+        )
+        wheels = sorted(cache.glob(f"megatron_core-{version}-*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise SourcePatchError(
+                f"`pip download --no-deps megatron-core=={version}` failed: "
+                f"{(done.stderr or done.stdout).strip()[-400:]}")
+    return wheels[-1]
+
+
+def unpack_release(version: str, target: Path, cache: Path) -> Path:
+    """Unpack megatron-core ``version``'s wheel (:func:`release_wheel`) into ``target``; return ``target``,
+    the directory holding ``megatron/core`` (a pristine tree to patch or to put on ``PYTHONPATH``).
+
+    Raises:
+        SourcePatchError: the wheel could not be downloaded.
+    """
+    with zipfile.ZipFile(release_wheel(version, cache)) as archive:
+        archive.extractall(target)
+    return Path(target)
 
 
 def patches_for(version: str) -> list[Path]:

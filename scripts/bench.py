@@ -50,7 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 if "megatron_ext" not in sys.modules:
-    # The orchestrator needs only megatron_ext.bench's runner/report/trees/stats (no torch), but
+    # The orchestrator (benchmarks/ runner, report, trees, stats) needs no torch, but
     # megatron_ext/__init__ imports the patches and with them torch: ~10 s of CPU on a small
     # machine, taken from the workers starting up. A bare package object for megatron_ext lets its
     # submodules import normally without running that __init__ (the workers import it in full).
@@ -60,9 +60,9 @@ if "megatron_ext" not in sys.modules:
 
 from rich.console import Console  # noqa: E402
 
-from megatron_ext.bench import report as bench_report  # noqa: E402
-from megatron_ext.bench.runner import SECTIONS, run, settings  # noqa: E402
-from megatron_ext.bench.trees import DEFAULT_SEARCH  # noqa: E402
+from benchmarks import report as bench_report  # noqa: E402
+from benchmarks.runner import SECTIONS, run, settings  # noqa: E402
+from benchmarks.trees import DEFAULT_SEARCH  # noqa: E402
 
 
 def section_list(text: str) -> list[str]:

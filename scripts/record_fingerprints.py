@@ -17,14 +17,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from megatron_ext.mcore import SUPPORTED_RELEASES  # noqa: E402
-from megatron_ext.source_patches import patch_source  # noqa: E402
+from megatron_ext.source_patches import patch_source, unpack_release  # noqa: E402
 
 CHILD = """
 import json
@@ -35,19 +34,6 @@ print(json.dumps({p.name: {t.qualname: fingerprint(t.original()) for t in p.chec
 """
 
 
-def unpacked_release(version: str, workdir: Path) -> Path:
-    """Download megatron-core==version (wheel, no deps) and unpack it; return the directory."""
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(workdir),
-         f"megatron-core=={version}"],
-        check=True,
-    )
-    wheel = next(workdir.glob(f"megatron_core-{version}-*.whl"))
-    target = workdir / version
-    zipfile.ZipFile(wheel).extractall(target)
-    return target
-
-
 def main() -> None:
     args = sys.argv[1:]
     source_patched = "--source-patched" in args
@@ -55,7 +41,7 @@ def main() -> None:
     table: dict[str, dict[str, dict[str, str]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for version in releases:
-            site = unpacked_release(version, Path(tmp))
+            site = unpack_release(version, Path(tmp) / version, Path(tmp))
             if source_patched:
                 patch_source(site)
             env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}")

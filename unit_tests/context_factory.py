@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 
 from megatron_ext.cpu_backend import cuda_on_cpu
-from megatron_ext.engine import prefix_caching_request, small_prefix_caching_context
+from megatron_ext.harness.factories import prefix_caching_request, small_prefix_caching_context
 
 BLOCK = 16  # tokens per KV block in every context built here
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.audit import FAULT_OF_KIND, ContextAudit
+from megatron_ext.harness.audits import FAULT_OF_KIND, ContextAudit
 from megatron_ext.patches.lru_leaf_first_eviction import prefix_forest
 
 from .test_lru_faults import A, B, four_block_lru_context, retire_all
@@ -30,7 +30,7 @@ def test_clean_step_has_no_violation():
         ctx.add_request(make_request(7, A))
         audit.end_step()
         assert audit.violations == []
-        assert audit.summary()["lru_violations"] == 0
+        assert audit.summary().lru_violations == 0
 
 
 def test_a_block_id_twice_in_a_live_block_table_is_fault_4():
@@ -44,7 +44,7 @@ def test_a_block_id_twice_in_a_live_block_table_is_fault_4():
         assert ("block_table", 0, 2, 7) in kinds(audit)
         line = next(v.detail for v in audit.violations if v.kind == "block_table")
         assert line == "request 7's block table holds block 2 2 times"
-        assert audit.summary()["lru_violations"] == 1
+        assert audit.summary().lru_violations == 1
         assert FAULT_OF_KIND["block_table"] == "fix 4 fault (lru-pin-before-allocate)"
 
 
@@ -61,7 +61,7 @@ def test_a_cached_block_whose_parent_is_gone_is_fault_3():
         # (0.19's prefix forest also still names block 2 as block 3's parent: a child_count
         # violation on block 2 follows there.)
         assert kinds(audit)[0] == ("prefix_chain", 1, 3, -1)
-        assert audit.summary()["violations_by_kind"]["prefix_chain"] == 1
+        assert audit.summary().violations_by_kind["prefix_chain"] == 1
         assert audit.violations[0].detail == (
             "cached block 3 outlived its parent block: a lookup of its prefix raises KeyError")
         assert FAULT_OF_KIND["prefix_chain"] == "fix 3 fault (lru-leaf-first-eviction)"
@@ -80,4 +80,4 @@ def test_a_child_counted_twice_is_fault_5():
         assert audit.violations[0].detail == (
             "block 2 counts 2 cached children but 1 registered blocks name it parent: it can never "
             "be evicted, yet counts as evictable")
-        assert audit.summary()["violations_by_kind"] == {"child_count": 1}
+        assert audit.summary().violations_by_kind == {"child_count": 1}

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.cases import (
+from megatron_ext.harness.cases import (
     CaseFileError, PlannedRequest, RequestSpec, WorkloadError, load_case, parse_case, plan_requests,
     shipped_cases, validate_planned,
 )
-from megatron_ext.tokenizer import ByteTokenizer
+from megatron_ext.harness.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
 
@@ -137,7 +137,7 @@ class _Untouchable:
 @pytest.mark.parametrize("planned", [[_planned(0, [])], [_planned(3, [1]), _planned(3, [2])]],
                          ids=["empty-prompt", "repeated-id"])
 def test_drive_refuses_bad_requests_before_touching_the_engine(planned):
-    from megatron_ext.harness import RunRecord, drive
+    from megatron_ext.harness.step_loop import RunRecord, drive
 
     with pytest.raises(WorkloadError):
         drive(_Untouchable(), _Untouchable(), parse_case("name: x\nrequests: [{prompt: a}]\n"), planned,
@@ -145,7 +145,8 @@ def test_drive_refuses_bad_requests_before_touching_the_engine(planned):
 
 
 def test_ab_with_an_empty_prompt_case_exits_2_before_building_anything(tmp_path, monkeypatch, capsys):
-    from megatron_ext import ab, cli
+    from megatron_ext import cli
+    from megatron_ext.harness import ab
 
     for name in ("build_model", "build_engine", "backend", "apply"):
         monkeypatch.setattr(ab, name, lambda *a, **k: pytest.fail("built something before refusing the case"))
@@ -158,7 +159,8 @@ def test_ab_with_an_empty_prompt_case_exits_2_before_building_anything(tmp_path,
 @pytest.mark.parametrize("command", [["ab", "--json"], ["ab", "--plot"], ["soak", "--requests", "5", "--json"],
                                      ["soak", "--requests", "5", "--dump-case"]])
 def test_output_path_in_a_missing_directory_exits_2_before_running(tmp_path, monkeypatch, capsys, command):
-    from megatron_ext import ab, cli
+    from megatron_ext import cli
+    from megatron_ext.harness import ab
 
     for name in ("build_model", "build_engine", "backend", "apply", "run_ab"):
         monkeypatch.setattr(ab, name, lambda *a, **k: pytest.fail("ran something before refusing the path"))

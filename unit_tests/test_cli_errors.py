@@ -10,7 +10,8 @@ import importlib.util
 
 import pytest
 
-from megatron_ext import ab, cli
+from megatron_ext import cli
+from megatron_ext.harness import ab
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.compare import RequestOutput, compare_request, compare_runs
+from megatron_ext.harness.compare import RequestOutput, compare_request, compare_runs
 
 
 def out(tokens, log_probs, steps=None, logits=None):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext import cli
-from megatron_ext.recorded import RecordedRunError, compare_recorded, load_runs, pair_runs, parse_spec
+from megatron_ext.harness.recorded import RecordedRunError, compare_recorded, load_runs, pair_runs, parse_spec
 
 LOG_PROBS = [-0.6931471805599453, -1.3862943611198906, -2.0794415416798357]
 

@@ -62,7 +62,7 @@ from hypothesis.stateful import (
 
 from megatron_ext import mcore
 from megatron_ext.cpu_backend import cuda_on_cpu
-from megatron_ext.engine import small_prefix_caching_context
+from megatron_ext.harness.factories import small_prefix_caching_context
 
 from .conftest import UNPATCHED
 from .context_factory import BLOCK, finish_chunk, make_request

@@ -1,8 +1,8 @@
 """megatron-core's real dynamic inference engine on the CPU backend, end to end.
 
 Builds a tiny GPTModel (local layer spec), a DynamicInferenceContext with prefix caching and the
-DynamicInferenceEngine from a case (``megatron_ext.engine``), drives the requests to completion
-with the ``ab`` harness (``megatron_ext.harness.drive``), and checks that ``cpu_backend()`` puts
+DynamicInferenceEngine from a case (``megatron_ext.harness.engine``), drives the requests to completion
+with the ``ab`` harness (``megatron_ext.harness.step_loop.drive``), and checks that ``cpu_backend()`` puts
 every replaced object back.
 """
 
@@ -14,13 +14,13 @@ import torch
 pytest.importorskip("megatron.core")
 
 from megatron_ext import mcore  # noqa: E402
-from megatron_ext.ab import backend  # noqa: E402
-from megatron_ext.cases import Case, CaseFileError, parse_case, plan_requests  # noqa: E402
+from megatron_ext.harness.ab import backend  # noqa: E402
+from megatron_ext.harness.cases import Case, CaseFileError, parse_case, plan_requests  # noqa: E402
 from megatron_ext.cpu_backend import attention, batch_invariant, cpu_backend, pipeline  # noqa: E402
 from megatron_ext.cpu_backend.device import CUDA_STANDINS  # noqa: E402
-from megatron_ext.engine import build_engine, build_model, ensure_model_parallel  # noqa: E402
-from megatron_ext.harness import RunRecord, drive  # noqa: E402
-from megatron_ext.tokenizer import ByteTokenizer  # noqa: E402
+from megatron_ext.harness.engine import build_engine, build_model, ensure_model_parallel  # noqa: E402
+from megatron_ext.harness.step_loop import RunRecord, drive  # noqa: E402
+from megatron_ext.harness.tokenizer import ByteTokenizer  # noqa: E402
 
 ATTENTION_NAMES = ("flash_attn_varlen_func", "flash_attn_with_kvcache", "is_fa_min_version",
                    "HAVE_FA3", "HAVE_FA4")
@@ -153,8 +153,8 @@ def test_engine_generates_with_prefix_caching_and_is_reproducible(mcore_series):
     # The prefix is real: greedy continuations differ between prompts.
     assert first.outputs[0].tokens != first.outputs[1].tokens
     # Requests 2 and 3 arrive after request 0 filled the two shared blocks: they match them.
-    assert first.counters["blocks_matched"] >= 4
-    assert first.counters["prefill_tokens_skipped"] > 0
+    assert first.counters.blocks_matched >= 4
+    assert first.counters.prefill_tokens_skipped > 0
     # A fresh model (same seed) and engine give the same bits.
     (second,) = _run(CASE)
     assert _results(first) == _results(second)
@@ -167,8 +167,8 @@ def test_engine_generates_with_prefix_caching_and_is_reproducible(mcore_series):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_prefix_caching_on_and_off_bit_identical(dtype):
     cached, uncached = _run(_variant(model={"params_dtype": dtype}), caching=(True, False))
-    assert cached.counters["prefill_tokens_skipped"] > 0
-    assert uncached.counters["prefill_tokens_skipped"] == 0
+    assert cached.counters.prefill_tokens_skipped > 0
+    assert uncached.counters.prefill_tokens_skipped == 0
     assert _results(cached) == _results(uncached)
 
 
@@ -176,7 +176,7 @@ def test_grouped_query_attention_model():
     case = _variant(model={"num_attention_heads": 4, "num_query_groups": 2})
     cached, uncached = _run(case, caching=(True, False))
     assert all(len(o.tokens) == 6 for o in cached.outputs.values())
-    assert cached.counters["prefill_tokens_skipped"] > 0
+    assert cached.counters.prefill_tokens_skipped > 0
     assert _results(cached) == _results(uncached)
 
 

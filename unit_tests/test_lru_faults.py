@@ -23,7 +23,7 @@ import torch
 import megatron_ext
 from megatron_ext import api
 from megatron_ext.cpu_backend import cuda_on_cpu
-from megatron_ext.engine import small_prefix_caching_context
+from megatron_ext.harness.factories import small_prefix_caching_context
 from megatron_ext.patches import ALL_PATCHES
 from megatron_ext.patches.lru_leaf_first_eviction import PrefixForestError, evict_leaves_first, prefix_forest
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_ext import cli
-from megatron_ext.cases import load_case
-from megatron_ext.prompts import PromptFileError, prompts_case, read_prompts
+from megatron_ext.harness.cases import load_case
+from megatron_ext.harness.prompts import PromptFileError, prompts_case, read_prompts
 
 
 def test_plain_text_one_prompt_per_line_blank_lines_skipped(tmp_path):
@@ -71,7 +71,7 @@ def test_case_keeps_model_and_policies_takes_the_prompts(tmp_path):
     (None, ["--samples", "2"], "--samples and --num-tokens-to-generate apply to --prompts FILE"),
 ])
 def test_cli_bad_prompts_input_exits_2_with_one_line(tmp_path, capsys, monkeypatch, setup, args, message):
-    from megatron_ext import ab
+    from megatron_ext.harness import ab
 
     monkeypatch.setattr(ab, "run_ab", lambda *a, **k: pytest.fail("ran before refusing the input"))
     if isinstance(setup, bytes):

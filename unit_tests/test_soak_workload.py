@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.cases import CaseFileError, dump_case, load_case, plan_requests
-from megatron_ext.soak import MAX_PROMPT_TOKENS, SOAK_INFERENCE, soak_case
-from megatron_ext.tokenizer import ByteTokenizer
+from megatron_ext.harness.cases import CaseFileError, dump_case, load_case, plan_requests
+from megatron_ext.harness.soak import MAX_PROMPT_TOKENS, SOAK_INFERENCE, soak_case
+from megatron_ext.harness.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
 

@@ -7,19 +7,19 @@ That module imports the KV block allocator module itself, so both targets exist 
 
 from __future__ import annotations
 
-import os
+from ..env import flag
 
 AUTO_ENV = "MEGATRON_EXT_AUTO"
 HOOKED_MODULE = "megatron.core.inference.contexts.dynamic_context"
 
 
 def enabled() -> bool:
-    return os.environ.get(AUTO_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return flag(AUTO_ENV)
 
 
 def _apply_on_import(_module: object) -> None:
     from ..api import apply
-    from ..report import announce
+    from ..announce import announce
 
     announce(apply())
 

@@ -14,8 +14,8 @@ usable on their own:
 * :func:`batch_invariant_mode` (``batch_invariant``): row-wise CPU matrix products, so a row's
   bits do not depend on the batch; :func:`self_check` proves it on the running machine.
 
-Building a model, context and engine from a case is :mod:`megatron_ext.engine`'s job (the same
-constructors in all three releases); stepping it is :func:`megatron_ext.harness.drive`.
+Building a model, context and engine from a case is :mod:`megatron_ext.harness.engine`'s job (the same
+constructors in all three releases); stepping it is :func:`megatron_ext.harness.step_loop.drive`.
 Everything is restored exactly when the ``with`` block exits.
 """
 

@@ -21,11 +21,6 @@ class AttributeSwap:
     def __init__(self) -> None:
         self._saved: list[tuple[object, str, Any]] = []
 
-    @property
-    def active(self) -> bool:
-        """True while at least one replacement is in place."""
-        return bool(self._saved)
-
     def set(self, owner: object, name: str, value: Any) -> None:
         """Set ``owner.name = value``, remembering the previous value (or its absence)."""
         self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)

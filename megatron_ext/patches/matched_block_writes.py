@@ -149,8 +149,6 @@ class MatchedBlockWritesPatch(Patch):
     def __init__(self) -> None:
         super().__init__()
         self.name = "matched-block-writes"
-        self.title = "recomputed tokens in hash-matched KV blocks write to the dummy block"
-        self.upstream = "Megatron-LM main 2026-08-26 (matched blocks are read-only); no release yet"
         self.fingerprints = FINGERPRINTS
 
     def wrappers(self) -> dict[Target, Callable]:

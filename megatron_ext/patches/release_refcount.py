@@ -56,7 +56,7 @@ def release_blocks_per_occurrence(allocator: Any, blocks: torch.Tensor) -> None:
         RefCountUnderflowError: some block would drop below zero. Nothing is changed.
         IndexError / RuntimeError from torch: an ID outside ``[0, total_count)`` (callers filter
         the block tables' -1 padding, as upstream's fix assumes too). Not pre-checked: a range
-        check costs ~25 µs per call (8-12% of a small release, measured with scripts/bench.py).
+        check costs about a tenth of a small release (README, "Benchmarks").
         Any exception raised while handing back the blocks that reached zero (for instance by
         ``_deregister_blocks`` or its Mamba hook) propagates after ref counts, hash map, hashes
         and free pool are restored to what they were before the call. Not restored: whatever
@@ -138,9 +138,9 @@ def _distinct(allocator: Any, ids: torch.Tensor) -> torch.Tensor:
     slot and the occurrence whose write survived is kept (one per block; which one is
     deterministic on the CPU, not on the GPU, so on 0.17 the order blocks return to the free pool
     may vary between runs; the set does not). ``scatter_reduce_`` amin would fix the order but
-    costs ~30 µs more at 4,096 IDs. Measured on the CPU (one thread): unique 25 µs at 1 ID,
-    54 µs at 1,024, 203 µs at 4,096; the linear pass ~70 µs at any size below ~1,000 and ~140 µs
-    at 4,096 (four ops, each ~15 µs of dispatch).
+    costs more. ``torch.unique``'s sort grows with the IDs, the linear pass costs a flat four ops
+    of dispatch below ~1,000 IDs; the threshold sits where they cross (figures: README,
+    "Benchmarks").
     """
     if ids.numel() < _LINEAR_DEDUPE_FROM:
         return torch.unique(ids)
@@ -236,11 +236,6 @@ class ReleaseRefCountPatch(Patch):
     def __init__(self) -> None:
         super().__init__()
         self.name = "release-refcount"
-        self.title = "ref counts of shared KV blocks drop once per releasing owner"
-        self.upstream = (
-            "Megatron-LM main 2026-07-28 (scatter_add_ decrement + torch.unique), "
-            "released in megatron-core 0.19.0"
-        )
         self.fingerprints = FINGERPRINTS
 
     def wrappers(self) -> dict[Target, Callable]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import mcore
+from .. import mcore
 from .cases import Case
 from .tokenizer import ByteTokenizer
 
@@ -158,49 +158,3 @@ def build_engine(model: Any, case: Case, prefix_caching: bool, eviction_policy: 
     wrapped = wrapper.GPTInferenceWrapper(model, context)
     text_controller = controller.TextGenerationController(wrapped, engine_tokenizer(ByteTokenizer()))
     return engines.DynamicInferenceEngine(text_controller, context), context
-
-
-def small_prefix_caching_context(
-    policy: str,
-    *,
-    block_size_tokens: int = 16,
-    buffer_size_gb: float,
-    max_requests: int,
-    max_tokens: int,
-    max_sequence_length: int,
-) -> Any:
-    """A ``DynamicInferenceContext`` for add_request-level work (tests, benchmarks): 2 layers,
-    4 heads of 16 channels, fp32 KV cache, prefix caching and chunked prefill on.
-
-    ``policy`` is ``"REF_ZERO"`` or ``"LRU"``; ``buffer_size_gb`` is the KV buffer in GiB.
-    On a CPU machine call it inside ``megatron_ext.cpu_backend.cuda_on_cpu()``.
-    """
-    config = mcore.import_module("megatron.core.inference.config")
-    transformer = mcore.import_module("megatron.core.transformer.transformer_config")
-    dynamic_context = mcore.import_module(mcore.DYNAMIC_CONTEXT_MODULE)
-    ensure_model_parallel()
-    model_config = transformer.TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16,
-        params_dtype=torch.float32,
-    )
-    inference = config.InferenceConfig(
-        block_size_tokens=block_size_tokens, buffer_size_gb=buffer_size_gb,
-        max_requests=max_requests, max_tokens=max_tokens, max_sequence_length=max_sequence_length,
-        enable_prefix_caching=True, enable_chunked_prefill=True,
-        prefix_caching_eviction_policy=getattr(config.PrefixCachingEvictionPolicy, policy),
-    )
-    return dynamic_context.DynamicInferenceContext(model_config, inference)
-
-
-def prefix_caching_request(request_id: int, tokens: list[int], block_size_tokens: int = 16) -> Any:
-    """A ``DynamicInferenceRequest`` (int64 prompt tokens, 4 tokens to generate) whose block
-    hashes are computed for ``block_size_tokens``-token blocks."""
-    inference_request = mcore.import_module("megatron.core.inference.inference_request")
-    sampling = mcore.import_module("megatron.core.inference.sampling_params")
-    return inference_request.DynamicInferenceRequest(
-        request_id=request_id,
-        prompt_tokens=torch.tensor(tokens, dtype=torch.int64),
-        sampling_params=sampling.SamplingParams(num_tokens_to_generate=4),
-        block_size_tokens=block_size_tokens,
-        enable_prefix_caching=True,
-    )

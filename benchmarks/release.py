@@ -21,7 +21,7 @@ from unittest import mock
 
 import torch
 
-from .. import mcore
+from megatron_ext import mcore
 from .stats import time_calls
 
 #: Per-block bookkeeping tensors a release (or the deregistration it triggers) may write.

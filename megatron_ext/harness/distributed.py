@@ -1,6 +1,6 @@
 """Multi-rank ``ab``: every rank runs the same case and audits; rank 0 reports for all.
 
-Under ``torchrun`` each rank runs :func:`megatron_ext.ab.run_ab` itself (its own CPU backend, its
+Under ``torchrun`` each rank runs :func:`megatron_ext.harness.ab.run_ab` itself (its own CPU backend, its
 own batch-invariance self-check, its own KV-write and ref-count audits on its own context). At the
 end :func:`gather_ranks` collects every rank's verdict with ``all_gather_object`` over the gloo
 world group, so every rank knows whether any rank failed (and exits non-zero if one did), and rank
@@ -11,7 +11,7 @@ ranks sample from the same gathered logits; PP stages receive them from the last
 A rank that raises mid-run cannot take part in the next collective; :class:`RankFailedError` ends
 that rank (the CLI prints it with the rank named), and its peers' pending collectives fail when
 its connections close, or after ``MEGATRON_EXT_DIST_TIMEOUT_S`` (see
-:func:`megatron_ext.engine.ensure_model_parallel`).
+:func:`megatron_ext.harness.engine.ensure_model_parallel`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 import torch
 
-from . import mcore
+from .. import mcore
 
 
 class RankFailedError(RuntimeError):
@@ -82,19 +82,26 @@ def rank_verdict(result: Any) -> dict[str, Any]:
         "kv_write_violations": result.total("kv_write_violations"),
         "refcount_violations": result.total("refcount_violations"),
         "lru_violations": result.total("lru_violations"),
-        "outputs_sha256": outputs_digest([result.baseline] + [p.run for p in result.policies]),
+        "outputs_sha256": outputs_digest(result.runs),
     }
+
+
+def all_ranks(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order, on every rank; ``[value]`` on one rank.
+
+    A collective (``all_gather_object``): every rank must call it.
+    """
+    if not is_multi_rank():
+        return [value]
+    gathered: list[Any] = [None] * world()[1]
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
 
 
 def gather_ranks(result: Any) -> list[dict[str, Any]]:
     """Every rank's :func:`rank_verdict`, in rank order, on every rank (a collective: all ranks
     must call it)."""
-    mine = rank_verdict(result)
-    if not is_multi_rank():
-        return [mine]
-    gathered: list[Any] = [None] * world()[1]
-    torch.distributed.all_gather_object(gathered, mine)
-    return gathered
+    return all_ranks(rank_verdict(result))
 
 
 def _who(entry: dict[str, Any]) -> str:

@@ -11,19 +11,19 @@ import contextlib
 import hashlib
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Optional, Union
 
-from . import mcore
-from .api import apply, revert
-from .errors import DeviceUnavailableError
-from .audit import FAULT_OF_KIND
+from .. import mcore
+from ..api import apply, revert
+from ..errors import DeviceUnavailableError
+from .audits import FAULT_OF_KIND
 from .cases import Case, PlannedRequest, plan_requests, validate_planned
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint
 from .compare import RequestDiff, RequestOutput, compare_runs
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .engine import build_engine, build_model, ensure_model_parallel
-from .harness import RunRecord, drive
+from .step_loop import RunRecord, drive
 from .tokenizer import ByteTokenizer
 
 #: Audit violation kinds of the LRU faults 3-5, and what a count of them means in a verdict.
@@ -62,7 +62,7 @@ class ABResult:
     baseline: RunRecord
     policies: list[PolicyResult] = field(default_factory=list)
     wall_s: float = 0.0
-    #: multi-rank runs: every rank's verdict (:func:`megatron_ext.distributed.rank_verdict`)
+    #: multi-rank runs: every rank's verdict (:func:`megatron_ext.harness.distributed.rank_verdict`)
     ranks: list[dict] = field(default_factory=list)
     #: the checkpoint both A and B ran with (``--load``); None: seeded random weights
     checkpoint: Optional[CheckpointSource] = None
@@ -85,11 +85,17 @@ class ABResult:
         return f"weights: seeded random (seed {self.case.model.seed}; --load DIR to use a checkpoint)"
 
     @property
+    def runs(self) -> list[RunRecord]:
+        """A (caching off), then B per eviction policy, in the order they ran."""
+        return [self.baseline] + [p.run for p in self.policies]
+
+    @property
     def bit_identical(self) -> bool:
         return all(p.bit_identical for p in self.policies)
 
     def total(self, key: str) -> int:
-        return sum(p.run.audit.get(key, 0) for p in self.policies) + self.baseline.audit.get(key, 0)
+        """Sum of the audit count ``key`` (an :class:`AuditSummary` field) over every run."""
+        return sum(getattr(p.run.audit, key) for p in self.policies) + getattr(self.baseline.audit, key)
 
     def failures(self) -> list[str]:
         """Why the verdict is negative, one sentence each; empty when everything holds. Multi-rank:
@@ -112,11 +118,11 @@ class ABResult:
                 f"fix 1 fault (release-refcount): {self.total('refcount_violations')} ref-count / "
                 "free-pool / drain violations (shared blocks leaked)")
         for kind, what in LRU_FAULT_VIOLATIONS.items():
-            count = sum(run.audit.get("violations_by_kind", {}).get(kind, 0)
-                        for run in [self.baseline] + [p.run for p in self.policies])
+            count = sum(run.audit.violations_by_kind.get(kind, 0)
+                        for run in self.runs)
             if count:
                 problems.append(f"{FAULT_OF_KIND[kind]}: {count} {what}")
-        for run in [self.baseline] + [p.run for p in self.policies]:
+        for run in self.runs:
             if run.error:
                 problems.append(f"megatron-core raised in run {run.eviction_policy or 'caching off'} at {run.error}")
         expect = self.case.expectations
@@ -127,11 +133,11 @@ class ABResult:
                 why = f" ({never_ran} never ran: the run ended early)" if p.run.error and never_ran else ""
                 problems.append(f"{p.policy}: {len(bad)} requests differ with caching on vs off{why}: "
                                 f"{', '.join(bad[:6])}")
-            if p.run.counters.get("blocks_matched", 0) < expect.min_blocks_matched:
-                problems.append(f"{p.policy}: only {p.run.counters.get('blocks_matched', 0)} blocks "
+            if p.run.counters.blocks_matched < expect.min_blocks_matched:
+                problems.append(f"{p.policy}: only {p.run.counters.blocks_matched} blocks "
                                 f"matched, case expects >= {expect.min_blocks_matched}")
-            if p.run.counters.get("prefill_tokens_skipped", 0) < expect.min_prefill_tokens_skipped:
-                problems.append(f"{p.policy}: only {p.run.counters.get('prefill_tokens_skipped', 0)} prefill "
+            if p.run.counters.prefill_tokens_skipped < expect.min_prefill_tokens_skipped:
+                problems.append(f"{p.policy}: only {p.run.counters.prefill_tokens_skipped} prefill "
                                 f"tokens skipped, case expects >= {expect.min_prefill_tokens_skipped}")
         return problems
 
@@ -151,8 +157,8 @@ class ABResult:
             "kv_write_violations": self.total("kv_write_violations"),
             "refcount_violations": self.total("refcount_violations"),
             "lru_violations": self.total("lru_violations"),
-            "prefill_tokens_skipped": sum(p.run.counters.get("prefill_tokens_skipped", 0) for p in self.policies),
-            "blocks_matched": sum(p.run.counters.get("blocks_matched", 0) for p in self.policies),
+            "prefill_tokens_skipped": sum(p.run.counters.prefill_tokens_skipped for p in self.policies),
+            "blocks_matched": sum(p.run.counters.blocks_matched for p in self.policies),
             "megatron_core_version": self.megatron_core_version,
             "device": self.device,
             "weights": self.weights(),
@@ -186,9 +192,9 @@ def _run_json(run: RunRecord) -> dict[str, Any]:
         "eviction_policy": run.eviction_policy,
         "steps": run.steps,
         "wall_s": round(run.wall_s, 3),
-        "counters": run.counters,
-        "pressure": run.pressure,
-        "audit": run.audit,
+        "counters": asdict(run.counters),
+        "pressure": asdict(run.pressure),
+        "audit": asdict(run.audit),
         "outputs": {rid: {"label": o.label, "tokens": o.tokens, "log_probs": o.log_probs,
                           "token_steps": o.token_steps} for rid, o in run.outputs.items()},
     }
@@ -217,7 +223,7 @@ def backend(device: str) -> Iterator[tuple[bool, str]]:
         return
     import torch
 
-    from .cpu_backend import cpu_backend, self_check
+    from ..cpu_backend import cpu_backend, self_check
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -249,12 +255,12 @@ def run_ab(
             layout (under torchrun; every rank calls run_ab and gets every rank's verdict).
         load: a Megatron distributed checkpoint (or Megatron-LM save directory) loaded into the
             model after it is built from ``case.model`` and before any engine run; A and B both
-            use these weights (:func:`megatron_ext.checkpoint.load_checkpoint`).
+            use these weights (:func:`megatron_ext.harness.checkpoint.load_checkpoint`).
         on_run: called with each run's :class:`RunRecord` when it ends (progress lines in logs).
 
     Raises:
         MegatronCoreNotFoundError, CaseFileError (prompt too long or empty), WorkloadError (see
-        :func:`megatron_ext.cases.validate_planned`), CheckpointError (``load``: missing, not a
+        :func:`megatron_ext.harness.cases.validate_planned`), CheckpointError (``load``: missing, not a
         checkpoint, architecture mismatch), EngineStuckError, RuntimeError;
         multi-rank: RankFailedError when megatron-core raised mid-run on this rank (the ranks are
         out of lockstep then; single-rank runs record the error in the result instead).

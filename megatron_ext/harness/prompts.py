@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from ..errors import MegatronExtError
 from .cases import Case, Expectations, RequestSpec, describe_validation_error, sequence_too_long
-from .errors import MegatronExtError
 from .tokenizer import ByteTokenizer
 
 #: The keys a JSON Lines prompt may have.

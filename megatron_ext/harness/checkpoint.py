@@ -30,8 +30,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import mcore
-from .errors import MegatronExtError
+from .. import mcore
+from ..errors import MegatronExtError
+from .distributed import all_ranks, is_multi_rank
 
 #: Megatron-LM's tracker file in a training save directory.
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -234,22 +235,16 @@ def _suggest(stored: dict) -> str:
 def _first_on_any_rank(problem: Optional[str]) -> Optional[str]:
     """The first non-None ``problem`` over all ranks (lowest rank wins), the same on every rank,
     so that every rank raises together instead of some waiting in a collective (gloo world)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not is_multi_rank():
         return problem
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, problem)
-    return next((f"rank {rank}: {found}" for rank, found in enumerate(gathered) if found is not None), None)
+    return next((f"rank {rank}: {found}" for rank, found in enumerate(all_ranks(problem)) if found is not None), None)
 
 
 def _all_model_keys(keys: set[str]) -> set[str]:
     """The union of every rank's model tensor keys (pipeline stages own different tensors)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not is_multi_rank():
         return keys
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(keys))
-    return set().union(*map(set, gathered))
+    return set().union(*map(set, all_ranks(sorted(keys))))
 
 
 def load_checkpoint(model: Any, checkpoint: Union[PathLike, CheckpointSource], case_name: str = "") -> CheckpointSource:
@@ -325,7 +320,7 @@ def save_checkpoint(model: Any, directory: PathLike) -> Path:
     script with an ``if __name__ == "__main__"`` guard).
 
     Args:
-        model: a megatron-core ``GPTModel`` (e.g. :func:`megatron_ext.engine.build_model`).
+        model: a megatron-core ``GPTModel`` (e.g. :func:`megatron_ext.harness.engine.build_model`).
         directory: created if missing; must be empty.
 
     Returns:

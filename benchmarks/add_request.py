@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..cpu_backend import cuda_on_cpu
-from ..engine import prefix_caching_request, small_prefix_caching_context
+from megatron_ext.cpu_backend import cuda_on_cpu
+from megatron_ext.harness.factories import prefix_caching_request, small_prefix_caching_context
 from .stats import time_calls
 
 BLOCK = 16

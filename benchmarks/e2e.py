@@ -1,10 +1,12 @@
 """Section 3 (worker side): engine step time of a ``megatron-ext ab`` case, prefix caching on.
 
 The model and engine are built exactly as ``megatron-ext ab`` builds them
-(:mod:`megatron_ext.engine`, inside :func:`megatron_ext.ab.backend` ``("cpu")``: the CPU backend
-with batch-invariant matmuls, one intra-op thread). The loop is :func:`megatron_ext.harness.drive`'s
-without the context audits (they hook ``add_request`` and each step, and would be timed too):
-requests are added at their arrival steps and each ``engine.step_modern()`` call is timed alone.
+(:mod:`megatron_ext.harness.engine`, inside :func:`megatron_ext.harness.ab.backend` ``("cpu")``: the CPU backend
+with batch-invariant matmuls, one intra-op thread). The loop is the harness's own
+(:func:`megatron_ext.harness.step_loop.step_until_done`, which :func:`~megatron_ext.harness.step_loop.drive`
+runs too) without the context audits (they hook ``add_request`` and each step, and would be
+timed too): requests are added at their arrival steps and each ``engine.step_modern()`` call is
+timed alone.
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ import contextlib
 import gc
 import hashlib
 import time
-from collections import deque
 from typing import Any
 
-from ..ab import backend
-from ..cases import Case, load_case, plan_requests
-from ..engine import build_engine, build_model, ensure_model_parallel
-from ..harness import MAX_STEPS_PER_REQUEST, EngineStuckError, describe_exception, sampling_params
-from ..tokenizer import ByteTokenizer
+from megatron_ext.harness.ab import backend
+from megatron_ext.harness.cases import Case, load_case, plan_requests
+from megatron_ext.harness.engine import build_engine, build_model, ensure_model_parallel
+from megatron_ext.harness.step_loop import EngineStuckError, describe_exception, merged_record, step_until_done
+from megatron_ext.harness.tokenizer import ByteTokenizer
 
 
 def shrink(case: Case) -> Case:
@@ -146,32 +147,23 @@ class EndToEndBench:
 
     def _loop(self, engine: Any, wall: list[int], cpu: list[int], outputs: dict[int, list[int]],
               counters: _Counters) -> None:
-        """Add requests at their arrival steps and time each ``engine.step_modern()`` alone
-        (appending ns to ``wall`` / ``cpu``, generated tokens to ``outputs``)."""
-        waiting = deque(self.planned)
-        live: set[int] = set()
-        steps = 0
-        budget = MAX_STEPS_PER_REQUEST * len(self.planned)
+        """The harness's step loop (:func:`~megatron_ext.harness.step_loop.step_until_done`) with
+        each ``engine.step_modern()`` call timed alone (ns appended to ``wall`` / ``cpu``) and the
+        generated tokens of finished requests collected in ``outputs``; no audits."""
         clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
-        while waiting or live:
-            while waiting and waiting[0].arrival_step <= steps:
-                request = waiting.popleft()
-                engine.add_request(request.request_id, list(request.prompt_tokens),
-                                   sampling_params(self.case, request))
-                live.add(request.request_id)
-            if live:
-                w0, c0 = clock(), cpu_clock()
-                result = engine.step_modern()
-                c1, w1 = cpu_clock(), clock()
-                wall.append(w1 - w0)
-                cpu.append(c1 - c0)
-                counters.update()
-                for finished in (result or {}).get("finished_request_records", []):
-                    request_id = (finished.request_id if hasattr(finished, "request_id")
-                                  else finished[-1].request_id)
-                    record = finished.merge() if hasattr(finished, "merge") else finished
-                    outputs[request_id] = [int(t) for t in record.generated_tokens]
-                    live.discard(request_id)
-            steps += 1
-            if steps > budget:
-                raise EngineStuckError(f"case '{self.case.name}': no progress after {steps} steps")
+
+        def timed_step() -> Any:
+            w0, c0 = clock(), cpu_clock()
+            result = engine.step_modern()
+            c1, w1 = cpu_clock(), clock()
+            wall.append(w1 - w0)
+            cpu.append(c1 - c0)
+            counters.update()
+            return result
+
+        def stepped(live: set[int], finished_now: list[tuple[int, Any]]) -> None:
+            for request_id, finished in finished_now:
+                outputs[request_id] = [int(t) for t in merged_record(finished).generated_tokens]
+
+        step_until_done(engine, self.case, self.planned, on_added=lambda request: None,
+                        on_stepped=stepped, on_tick=lambda steps: None, step=timed_step)

@@ -3,7 +3,7 @@
 A run builds the model and engine for the case (prefix caching on or off, one eviction policy),
 feeds each planned request at its arrival step, steps the engine until every request finished,
 and records per request the generated tokens, their log-probs and the step each token came from.
-The context audits (:mod:`megatron_ext.audit`) check every step and count prefix-cache hits.
+The context audits (:mod:`megatron_ext.harness.audits`) check every step and count prefix-cache hits.
 An exception raised inside megatron-core ends the run and is recorded, not raised, so the report
 still shows what happened up to that step.
 """
@@ -16,8 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from . import mcore
-from .audit import ContextAudit
+from .. import mcore
+from .audits import AuditSummary, ContextAudit, PoolPressure, PrefixCacheCounters
 from .cases import Case, PlannedRequest, validate_planned
 from .compare import RequestOutput
 
@@ -38,13 +38,10 @@ class RunRecord:
         eviction_policy: ``ref_zero`` / ``lru`` (None with prefix caching off).
         outputs: request ID -> :class:`RequestOutput`.
         steps: engine steps taken (idle steps waiting for an arrival included).
-        counters: prefix-cache counters measured by the audit at each ``add_request``
-            (``blocks_matched``, ``prefill_tokens_skipped``, ``prefill_tokens_computed``,
-            ``cache_hits``), all ints.
+        counters: prefix-cache counters measured by the audit at each ``add_request``.
         audit: :meth:`ContextAudit.summary` of the run.
-        pressure: KV pool pressure (:meth:`ContextAudit.summary`'s ``pressure``, all ints) plus
-            ``requests_evicted``: requests megatron-core evicted from a full pool to be re-run
-            later (its ``evicted_request_count``).
+        pressure: KV pool pressure measured by the audit, with ``requests_evicted`` from
+            megatron-core's ``evicted_request_count``.
         wall_s: wall-clock seconds for the run, build included.
         total_blocks: KV blocks in the context (dummy block included).
         error: the exception megatron-core raised during the run, as one line, or None.
@@ -54,9 +51,9 @@ class RunRecord:
     eviction_policy: Optional[str]
     outputs: dict[int, RequestOutput] = field(default_factory=dict)
     steps: int = 0
-    counters: dict[str, int] = field(default_factory=dict)
-    audit: dict[str, Any] = field(default_factory=dict)
-    pressure: dict[str, int] = field(default_factory=dict)
+    counters: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
+    audit: AuditSummary = field(default_factory=AuditSummary)
+    pressure: PoolPressure = field(default_factory=PoolPressure)
     wall_s: float = 0.0
     total_blocks: int = 0
     error: Optional[str] = None
@@ -86,10 +83,70 @@ def _generated(engine: Any, request_id: int) -> int:
     return sum(len(r.generated_tokens) for r in record)
 
 
+def merged_record(record: Any) -> Any:
+    """A finished request's record as one request (0.18+ keep one entry per eviction: merged)."""
+    return record.merge() if hasattr(record, "merge") else record
+
+
 def _finish(output: RequestOutput, record: Any) -> None:
-    merged = record.merge() if hasattr(record, "merge") else record
+    merged = merged_record(record)
     output.tokens = [int(t) for t in merged.generated_tokens]
     output.log_probs = [float(x) for x in (merged.generated_log_probs or [])]
+
+
+def step_until_done(
+    engine: Any,
+    case: Case,
+    planned: list[PlannedRequest],
+    on_added: Callable[[PlannedRequest], None],
+    on_stepped: Callable[[set[int], list[tuple[int, Any]]], None],
+    on_tick: Callable[[int], None],
+    step: Optional[Callable[[], Any]] = None,
+) -> None:
+    """The step loop: add each planned request at its arrival step, step the engine while any
+    request is live, until every request finished.
+
+    Args:
+        engine: megatron-core's ``DynamicInferenceEngine``.
+        case: the case (its sampling settings).
+        planned: the requests, in arrival order.
+        on_added: called with each request right after ``engine.add_request``.
+        on_stepped: after each engine step: the requests still live and ``(request ID, record)``
+            of each request that finished in that step.
+        on_tick: after each loop iteration (an engine step, or an idle step waiting for an
+            arrival) with the number of steps taken so far.
+        step: what steps the engine (default ``engine.step_modern``), e.g. a timed call.
+
+    Raises:
+        EngineStuckError: more than ``MAX_STEPS_PER_REQUEST * len(planned)`` steps.
+    """
+    step = step or engine.step_modern
+    waiting = deque(planned)
+    live: set[int] = set()
+    steps = 0
+    budget = MAX_STEPS_PER_REQUEST * len(planned)
+    while waiting or live:
+        while waiting and waiting[0].arrival_step <= steps:
+            request = waiting.popleft()
+            engine.add_request(request.request_id, list(request.prompt_tokens),
+                               sampling_params(case, request))
+            on_added(request)
+            live.add(request.request_id)
+        if live:
+            result = step()
+            finished_now = []
+            for finished in (result or {}).get("finished_request_records", []):
+                request_id = finished.request_id if hasattr(finished, "request_id") else finished[-1].request_id
+                live.discard(request_id)
+                finished_now.append((request_id, finished))
+            on_stepped(live, finished_now)
+        steps += 1
+        on_tick(steps)
+        if steps > budget:
+            raise EngineStuckError(
+                f"case '{case.name}': {len(live) + len(waiting)} requests unfinished after "
+                f"{steps} steps; the engine made no progress"
+            )
 
 
 def drive(
@@ -112,36 +169,24 @@ def drive(
     """
     validate_planned(planned)
     audit = ContextAudit(context, check_ref_counts=context.enable_prefix_caching).attach()
-    waiting = deque(planned)
-    live: set[int] = set()
-    budget = MAX_STEPS_PER_REQUEST * len(planned)
+
+    def added(request: PlannedRequest) -> None:
+        record.outputs[request.request_id] = RequestOutput(
+            request.request_id, request.label, len(request.prompt_tokens))
+
+    def stepped(live: set[int], finished_now: list[tuple[int, Any]]) -> None:
+        for request_id, finished in finished_now:
+            _finish(record.outputs[request_id], finished)
+        _note_token_steps(engine, record, live, [request_id for request_id, _ in finished_now])
+        audit.end_step()
+
+    def ticked(steps: int) -> None:
+        record.steps = steps
+        if on_step:
+            on_step(steps)
+
     try:
-        while waiting or live:
-            while waiting and waiting[0].arrival_step <= record.steps:
-                request = waiting.popleft()
-                engine.add_request(request.request_id, list(request.prompt_tokens),
-                                   sampling_params(case, request))
-                record.outputs[request.request_id] = RequestOutput(
-                    request.request_id, request.label, len(request.prompt_tokens))
-                live.add(request.request_id)
-            if live:
-                result = engine.step_modern()
-                finished_now = []
-                for finished in (result or {}).get("finished_request_records", []):
-                    request_id = finished.request_id if hasattr(finished, "request_id") else finished[-1].request_id
-                    _finish(record.outputs[request_id], finished)
-                    live.discard(request_id)
-                    finished_now.append(request_id)
-                _note_token_steps(engine, record, live, finished_now)
-                audit.end_step()
-            record.steps += 1
-            if on_step:
-                on_step(record.steps)
-            if record.steps > budget:
-                raise EngineStuckError(
-                    f"case '{case.name}': {len(live) + len(waiting)} requests unfinished after "
-                    f"{record.steps} steps; the engine made no progress"
-                )
+        step_until_done(engine, case, planned, added, stepped, ticked)
         if context.enable_prefix_caching:
             audit.drain()
     except EngineStuckError:
@@ -152,9 +197,9 @@ def drive(
     finally:
         audit.detach()
     record.audit = audit.summary()
-    record.counters = record.audit.pop("prefix_cache")
-    record.pressure = record.audit.pop("pressure")
-    record.pressure["requests_evicted"] = int(engine.evicted_request_count)  # every release 0.17-0.19 has it
+    record.counters = audit.counters
+    record.pressure = audit.pressure
+    record.pressure.requests_evicted = int(engine.evicted_request_count)  # every release 0.17-0.19 has it
 
 
 def describe_exception(exc: BaseException) -> str:

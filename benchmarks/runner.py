@@ -87,7 +87,7 @@ class WorkerError(RuntimeError):
 
 
 class WorkerProcess:
-    """``python -m megatron_ext.bench.worker`` with ``tree`` first on ``PYTHONPATH``."""
+    """``python -m benchmarks.worker`` with ``tree`` first on ``PYTHONPATH``."""
 
     def __init__(self, version: str, tree: Path, log_dir: Path) -> None:
         self.version = version
@@ -98,7 +98,7 @@ class WorkerProcess:
         env["PYTHONWARNINGS"] = "ignore"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_ext.bench.worker"], cwd=REPO, env=env, text=True,
+            [sys.executable, "-m", "benchmarks.worker"], cwd=REPO, env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, bufsize=1,
         )
         self.info: dict[str, Any] = {}

@@ -26,7 +26,7 @@ from typing import Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..errors import MegatronExtError
+from ...errors import MegatronExtError
 from ..tokenizer import ByteTokenizer
 
 

@@ -49,30 +49,28 @@ def summary_table(result: ABResult) -> Table:
                    "prefill tokens computed", "KV writes checked", "KV write violations",
                    "ref-count violations", "LRU violations"):
         table.add_column(column, justify="right" if column != "run" else "left")
-    runs = [("A: caching off", result.baseline)] + [(f"B: caching on, {p.policy}", p.run) for p in result.policies]
-    for name, run in runs:
+    for run in result.runs:
         counters, audit = run.counters, run.audit
         table.add_row(
-            name, str(run.steps), f"{run.wall_s:.1f}",
-            *(str(counters.get(k, 0)) for k in ("cache_hits", "blocks_matched", "prefill_tokens_skipped",
-                                                 "prefill_tokens_computed")),
-            str(audit.get("kv_writes_checked", 0)),
-            _count(audit.get("kv_write_violations", 0)),
-            _count(audit.get("refcount_violations", 0)) if run.prefix_caching else "n/a",
-            _count(audit.get("lru_violations", 0)) if run.prefix_caching else "n/a",
+            run.label, str(run.steps), f"{run.wall_s:.1f}",
+            *(str(n) for n in (counters.cache_hits, counters.blocks_matched, counters.prefill_tokens_skipped,
+                               counters.prefill_tokens_computed)),
+            str(audit.kv_writes_checked),
+            _count(audit.kv_write_violations),
+            _count(audit.refcount_violations) if run.prefix_caching else "n/a",
+            _count(audit.lru_violations) if run.prefix_caching else "n/a",
         )
     return table
 
 
 def pressure_table(result: ABResult) -> Table:
-    """Per run: how hard it pressed on the KV pool (see ``ContextAudit.summary``)."""
+    """Per run: how hard it pressed on the KV pool (see :class:`~megatron_ext.harness.audits.PoolPressure`)."""
     table = Table(title="KV pool pressure")
     for column in ("run", "pool blocks", "peak held", "peak not free", "peak paused", "requests paused",
                    "requests evicted", "cached blocks evicted (LRU)", "deregistered at ref 0"):
         table.add_column(column, justify="right" if column != "run" else "left")
-    runs = [("A: caching off", result.baseline)] + [(f"B: caching on, {p.policy}", p.run) for p in result.policies]
-    for name, run in runs:
-        table.add_row(name, *(str(run.pressure.get(k, 0)) for k in (
+    for run in result.runs:
+        table.add_row(run.label, *(str(getattr(run.pressure, k)) for k in (
             "total_blocks", "peak_blocks_held", "peak_blocks_not_free", "peak_paused_requests",
             "requests_paused", "requests_evicted", "cached_blocks_evicted", "blocks_deregistered_at_ref_zero")))
     return table
@@ -101,8 +99,8 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
             console.print(request_table(result, policy, only_divergent))
     console.print(summary_table(result))
     console.print(pressure_table(result))
-    for run in [result.baseline] + [p.run for p in result.policies]:
-        for kind, lines in run.audit.get("examples", {}).items():
+    for run in result.runs:
+        for kind, lines in run.audit.examples.items():
             for line in lines:
                 console.print(f"  [red]{kind}[/] ({run.eviction_policy or 'caching off'}): {line}")
     for note in notes:

@@ -1,6 +1,6 @@
 """Soak workload for ``megatron-ext soak``: a generated case of many requests with shared prefixes.
 
-:func:`soak_case` turns a seed and a request count into an ordinary :class:`~megatron_ext.cases.Case`
+:func:`soak_case` turns a seed and a request count into an ordinary :class:`~megatron_ext.harness.cases.Case`
 (the same schema, planner and ``ab`` harness as the shipped cases), so a soak is ``ab`` on a big,
 random but reproducible workload:
 
@@ -169,14 +169,14 @@ def soak_summary(result: "ABResult") -> dict[str, Any]:
         pressure = run.pressure
         out["runs"][name] = {
             "engine_steps": run.steps, "wall_s": round(run.wall_s, 1),
-            "blocks_matched": run.counters.get("blocks_matched", 0),
-            "prefill_tokens_skipped": run.counters.get("prefill_tokens_skipped", 0),
-            "peak_pool_use": f"{pressure.get('peak_blocks_held', 0)}/{pressure.get('total_blocks', 0)}",
-            **{k: pressure.get(k, 0) for k in ("peak_paused_requests", "requests_paused",
-                                                "requests_evicted", "cached_blocks_evicted")},
-            "kv_write_violations": run.audit.get("kv_write_violations", 0),
-            "refcount_violations": run.audit.get("refcount_violations", 0),
-            "lru_violations": run.audit.get("lru_violations", 0),
+            "blocks_matched": run.counters.blocks_matched,
+            "prefill_tokens_skipped": run.counters.prefill_tokens_skipped,
+            "peak_pool_use": f"{pressure.peak_blocks_held}/{pressure.total_blocks}",
+            **{k: getattr(pressure, k) for k in ("peak_paused_requests", "requests_paused",
+                                                  "requests_evicted", "cached_blocks_evicted")},
+            "kv_write_violations": run.audit.kv_write_violations,
+            "refcount_violations": run.audit.refcount_violations,
+            "lru_violations": run.audit.lru_violations,
             "error": run.error,
         }
     return out

@@ -1,4 +1,4 @@
-"""The measurement process: ``python -m megatron_ext.bench.worker`` with one release's tree first on ``PYTHONPATH``.
+"""The measurement process: ``python -m benchmarks.worker`` with one release's tree first on ``PYTHONPATH``.
 
 Protocol: one JSON object per line. The worker first writes ``{"ready": info}``; then for each
 request ``{"op": name, ...arguments}`` read from stdin it writes ``{"ok": true, "result": ...}``

@@ -2,7 +2,7 @@
 
 Measurement side, run inside one worker process per megatron-core release:
 
-* :mod:`.worker`: ``python -m megatron_ext.bench.worker`` with that release's tree first on
+* :mod:`.worker`: ``python -m benchmarks.worker`` with that release's tree first on
   ``PYTHONPATH``; answers JSON-line requests from the orchestrator on stdin/stdout;
 * :mod:`.release`, :mod:`.add_request`, :mod:`.e2e`: sections 1, 2 and 3.
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
+from .env import flag
 from .patching import PatchResult, PatchState
 
 QUIET_ENV = "MEGATRON_EXT_QUIET"
@@ -12,7 +12,7 @@ QUIET_ENV = "MEGATRON_EXT_QUIET"
 
 def announce(results: list[PatchResult]) -> None:
     """Print ``megatron-ext: <patch>: <state> (<reason>)`` per patch; refusals even when quiet."""
-    quiet = os.environ.get(QUIET_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    quiet = flag(QUIET_ENV)
     for result in results:
         if quiet and result.state is not PatchState.REFUSED:
             continue

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ..errors import MegatronExtError
 from .compare import RequestDiff, RequestOutput, compare_runs
-from .errors import MegatronExtError
 
 #: The run with prefix caching off; the others are named by their eviction policy.
 CACHING_OFF = "off"

@@ -1,0 +1,23 @@
+"""Reading megatron-ext's ``MEGATRON_EXT_*`` environment variables (no torch, no megatron-core).
+
+``MEGATRON_EXT_AUTO``, ``MEGATRON_EXT_FORCE`` and ``MEGATRON_EXT_QUIET`` are flags
+(:func:`flag`); ``MEGATRON_EXT_SKIP`` is a comma-separated list (:func:`name_set`). The ``.pth``
+start-up line parses ``MEGATRON_EXT_AUTO`` the same way without importing anything.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: Values (case-insensitive, surrounding blanks ignored) that turn a flag on; anything else is off.
+TRUE_VALUES = ("1", "true", "yes", "on")
+
+
+def flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to one of :data:`TRUE_VALUES`."""
+    return os.environ.get(name, "").strip().lower() in TRUE_VALUES
+
+
+def name_set(name: str) -> set[str]:
+    """The comma-separated names in the environment variable ``name``, blanks and empty items dropped."""
+    return {item.strip() for item in os.environ.get(name, "").split(",") if item.strip()}

@@ -1,0 +1,88 @@
+"""What every audit shares: the violation record, the fix each kind of violation points at, and
+the log of one context (step counter, unique violations, the rows and owners of live blocks)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken invariant.
+
+    Attributes:
+        kind: ``kv_write``, ``ref_count``, ``free_pool``, ``drain``, ``block_table``,
+            ``prefix_chain`` or ``child_count`` (see :data:`FAULT_OF_KIND`).
+        step: engine step (0-based) at which it was seen.
+        block: the KV block ID concerned.
+        request_id: the request concerned (``kv_write`` and ``block_table``), else -1.
+        detail: one human sentence.
+    """
+
+    kind: str
+    step: int
+    block: int
+    request_id: int
+    detail: str
+
+
+#: Violation kind -> the megatron-ext fix whose fault it shows.
+FAULT_OF_KIND = {
+    "kv_write": "fix 2 fault (matched-block-writes)",
+    "ref_count": "fix 1 fault (release-refcount)", "free_pool": "fix 1 fault (release-refcount)",
+    "drain": "fix 1 fault (release-refcount)",
+    "block_table": "fix 4 fault (lru-pin-before-allocate)",
+    "prefix_chain": "fix 3 fault (lru-leaf-first-eviction)",
+    "child_count": "fix 5 fault (lru-register-once)",
+}
+
+
+@dataclass
+class AuditLog:
+    """One context under audit: the current engine step and the unique violations seen so far.
+
+    Attributes:
+        context: the megatron-core ``DynamicInferenceContext``.
+        step: engine step (0-based) the audits are at.
+        violations: unique violations, in the order seen (a KV write violation is counted once
+            per step, request and block, not once per layer or token).
+    """
+
+    context: Any
+    step: int = 0
+    violations: list[Violation] = field(default_factory=list)
+    _seen: set[tuple] = field(default_factory=set)
+
+    def add(self, violation: Violation) -> None:
+        """Record ``violation`` unless the same kind, step, block and request was recorded already."""
+        key = (violation.kind, violation.step, violation.block, violation.request_id)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.violations.append(violation)
+
+    def count(self, *kinds: str) -> int:
+        """Violations of any of ``kinds``."""
+        return sum(1 for v in self.violations if v.kind in kinds)
+
+    def live_rows(self) -> range:
+        """Rows holding blocks: paused + active, plus a chunked-prefill request between chunks."""
+        ctx = self.context
+        end = ctx.total_request_count
+        if getattr(ctx, "chunked_prefill_request_id", -1) != -1 and end < ctx.max_requests:
+            if int(ctx.request_ids[end]) == ctx.chunked_prefill_request_id:
+                end += 1  # update_requests leaves the chunked request's row just past the end
+        return range(0, end)
+
+    def block_table(self, row: int) -> list[int]:
+        """The block IDs in ``row``'s block table (its used entries, padding included)."""
+        ctx = self.context
+        return ctx.request_to_kv_block_ids[row][: int(ctx.request_kv_block_counts[row])].tolist()
+
+    def owner_counts(self) -> Counter:
+        """Block ID -> number of live block tables that hold it (an owner per table entry)."""
+        owners: Counter = Counter()
+        for row in self.live_rows():
+            owners.update(b for b in self.block_table(row) if b >= 0)
+        return owners

@@ -1,0 +1,179 @@
+"""The audits of a live ``DynamicInferenceContext`` behind one object, independent of the runtime patches.
+
+:class:`ContextAudit` attaches instance-level wrappers (the engine calls ``context.add_request``
+and the attention layer ``context.append_key_value_cache``; the allocator's
+``allocate_memory_blocks``, ``_deregister_blocks`` and ``evict_lru_blocks``), so it stacks on
+top of whatever class-level code is installed (patched or not) and is removed with
+:meth:`ContextAudit.detach`. It feeds one module per invariant: :mod:`.kv_writes` (fault 2),
+:mod:`.ref_counts` (fault 1), :mod:`.lru` (faults 3-5), and :mod:`.pool` (pool pressure and
+prefix-cache counters, measured, not checked).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import AuditLog, Violation
+from .kv_writes import KVWriteAudit
+from .lru import LRUAudit
+from .pool import PoolAudit, PoolPressure, PrefixCacheCounters
+from .ref_counts import RefCountAudit
+
+
+@dataclass
+class AuditSummary:
+    """What the audits found over a run.
+
+    Attributes:
+        kv_write_violations: KV writes into blocks the writer did not allocate (fault 2).
+        refcount_violations: ref-count, free-pool and drain violations (fault 1).
+        lru_violations: repeated block IDs, broken prefix chains, wrong child counts (faults 3-5).
+        violations_by_kind: violation kind -> count, kinds in the order first seen.
+        kv_writes_checked: (token, layer) KV writes inspected.
+        steps_checked: steps whose ref counts were checked.
+        examples: violation kind -> its first three violations as ``step N: detail`` lines.
+    """
+
+    kv_write_violations: int = 0
+    refcount_violations: int = 0
+    lru_violations: int = 0
+    violations_by_kind: dict[str, int] = field(default_factory=dict)
+    kv_writes_checked: int = 0
+    steps_checked: int = 0
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+
+class ContextAudit:
+    """Attach to a context, call :meth:`end_step` after each engine step and :meth:`drain` at the end.
+
+    Args:
+        context: the megatron-core ``DynamicInferenceContext``.
+        check_ref_counts: False with prefix caching off (no ref counts exist then): only the KV
+            writes and the pool are watched.
+    """
+
+    def __init__(self, context: Any, check_ref_counts: bool = True) -> None:
+        self.context = context
+        self.check_ref_counts = check_ref_counts
+        self.log = AuditLog(context)
+        self.kv_writes = KVWriteAudit(self.log)
+        self.ref_counts = RefCountAudit(self.log)
+        self.lru = LRUAudit(self.log)
+        self.pool = PoolAudit(self.log)
+        self.steps_checked = 0
+
+    @property
+    def violations(self) -> list[Violation]:
+        """Unique violations seen so far, in order."""
+        return self.log.violations
+
+    @property
+    def counters(self) -> PrefixCacheCounters:
+        """Prefix-cache counters so far."""
+        return self.pool.counters
+
+    @property
+    def pressure(self) -> PoolPressure:
+        """KV pool pressure so far."""
+        return self.pool.pressure
+
+    # -- wiring ---------------------------------------------------------------------------------
+
+    def attach(self) -> "ContextAudit":
+        """Install the instance-level wrappers; returns ``self``."""
+        ctx, allocator = self.context, self.context.kv_block_allocator
+        add_request, append = ctx.add_request, ctx.append_key_value_cache
+        allocate = allocator.allocate_memory_blocks
+
+        def audited_allocate(num_blocks: int, *args, **kwargs):
+            blocks = allocate(num_blocks, *args, **kwargs)
+            if blocks is not None:
+                self.kv_writes.allocated(blocks.tolist())
+            return blocks
+
+        def audited_add_request(req, prefill_chunk_length=None):
+            self.kv_writes.begin_add_request()
+            self.lru.learn_parent_hashes(req)
+            row, finished = ctx.total_request_count, req.finished_chunk_token_count
+            chunk = req.remaining_prompt_length if prefill_chunk_length is None else prefill_chunk_length
+            first_token = ctx.active_token_count
+            result = add_request(req, prefill_chunk_length)
+            matched = self.kv_writes.end_add_request(req.request_id, row, finished)
+            self.pool.added(matched, chunk, ctx.active_token_count - first_token)
+            return result
+
+        def audited_append(layer_number, key, value):
+            self.kv_writes.check_append()
+            return append(layer_number, key, value)
+
+        ctx.add_request = audited_add_request
+        ctx.append_key_value_cache = audited_append
+        allocator.allocate_memory_blocks = audited_allocate
+        if hasattr(allocator, "_deregister_blocks"):  # count evictions (none with prefix caching off)
+            deregister, evict = allocator._deregister_blocks, allocator.evict_lru_blocks
+
+            def counted_deregister(block_ids, *args, **kwargs):
+                self.pool.deregistered(int(block_ids.numel()))
+                return deregister(block_ids, *args, **kwargs)
+
+            def counted_evict(num_blocks_needed, *args, **kwargs):
+                with self.pool.lru_eviction():
+                    return evict(num_blocks_needed, *args, **kwargs)
+
+            allocator._deregister_blocks = counted_deregister
+            allocator.evict_lru_blocks = counted_evict
+        return self
+
+    def detach(self) -> None:
+        """Remove the wrappers :meth:`attach` installed."""
+        allocator = self.context.kv_block_allocator
+        for owner, name in ((self.context, "add_request"), (self.context, "append_key_value_cache"),
+                            (allocator, "allocate_memory_blocks"), (allocator, "_deregister_blocks"),
+                            (allocator, "evict_lru_blocks")):
+            owner.__dict__.pop(name, None)
+
+    # -- checkpoints of a run -------------------------------------------------------------------
+
+    def end_step(self) -> None:
+        """Check ref counts against live owners, the free pool, block tables and prefix chains; then advance the step."""
+        owners = self.log.owner_counts()
+        self.pool.end_step(owners)
+        if self.check_ref_counts:
+            self.ref_counts.check(owners)
+            self.lru.check()
+            self.steps_checked += 1
+        self.log.step += 1
+
+    def end_failed_step(self) -> None:
+        """After megatron-core raised mid-step: only the checks that hold at any point of a step
+        (block tables, prefix chains), so the fault behind the exception is named. Ref counts and
+        the free pool are not checked: a step cut short leaves them half updated."""
+        if self.check_ref_counts:
+            self.lru.check()
+
+    def drain(self) -> None:
+        """At drain: every block is free or cached (hashed) with ref count 0, each exactly once."""
+        self.ref_counts.drain()
+
+    # -- results --------------------------------------------------------------------------------
+
+    def count(self, *kinds: str) -> int:
+        """Violations of any of ``kinds``."""
+        return self.log.count(*kinds)
+
+    def summary(self) -> AuditSummary:
+        """Counts per audit, and the first few violations of each kind as text."""
+        first: dict[str, list[str]] = {}
+        for v in self.violations:
+            first.setdefault(v.kind, []).append(f"step {v.step}: {v.detail}")
+        return AuditSummary(
+            kv_write_violations=self.count("kv_write"),
+            refcount_violations=self.count("ref_count", "free_pool", "drain"),
+            lru_violations=self.count("block_table", "prefix_chain", "child_count"),
+            violations_by_kind=dict(Counter(v.kind for v in self.violations)),
+            kv_writes_checked=self.kv_writes.kv_writes_checked,
+            steps_checked=self.steps_checked,
+            examples={k: lines[:3] for k, lines in first.items()},
+        )

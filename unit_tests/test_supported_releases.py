@@ -1,0 +1,71 @@
+"""One list of supported megatron-core releases: ``megatron_ext.mcore.SUPPORTED_RELEASES``.
+
+Every other place that names the releases must agree with it: the runtime patches' recorded
+fingerprints, the source patches' ``patches/index.yaml``, ``scripts/bootstrap.sh``
+(``SUPPORTED=``), the optional dependency in ``pyproject.toml``, the releases ``.ci/run`` tests
+(the newest of each series) and the README's list.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from megatron_ext import mcore
+from megatron_ext.patches import ALL_PATCHES
+
+REPO = Path(__file__).resolve().parents[1]
+SUPPORTED = mcore.SUPPORTED_RELEASES
+SERIES = sorted({mcore.release_series(r) for r in SUPPORTED}, key=Version)
+
+
+def test_supported_releases_are_sorted_and_unique():
+    assert list(SUPPORTED) == sorted(set(SUPPORTED), key=Version)
+
+
+def test_fingerprints_cover_exactly_the_supported_releases():
+    recorded = {release for patch in ALL_PATCHES for release in patch.fingerprints}
+    assert recorded == set(SUPPORTED)
+    for patch in ALL_PATCHES:
+        assert set(patch.supported_releases) <= set(SUPPORTED), patch.name
+
+
+def test_source_patch_index_lists_the_supported_releases():
+    index = yaml.safe_load((REPO / "patches" / "index.yaml").read_text())["releases"]
+    assert tuple(index) == SUPPORTED
+
+
+def test_bootstrap_accepts_the_supported_releases():
+    text = (REPO / "scripts" / "bootstrap.sh").read_text()
+    listed = re.search(r'^SUPPORTED="([^"]*)"', text, re.MULTILINE).group(1).split()
+    assert tuple(listed) == SUPPORTED
+    default = re.search(r'MEGATRON_CORE_VERSION:-([0-9.]+)\}', text).group(1)
+    assert default == SUPPORTED[-1]
+
+
+def test_pyproject_mcore_extra_admits_the_supported_series_only():
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (requirement,) = [Requirement(r) for r in extras["mcore"]]
+    assert requirement.name == "megatron-core"
+    assert all(requirement.specifier.contains(r) for r in SUPPORTED)
+    first, last = Version(SERIES[0]), Version(SERIES[-1])
+    assert not requirement.specifier.contains(f"{first.major}.{first.minor - 1}.99")
+    assert not requirement.specifier.contains(f"{last.major}.{last.minor + 1}.0")
+
+
+def test_ci_runs_the_newest_release_of_each_series():
+    text = (REPO / ".ci" / "run").read_text()
+    listed = re.search(r"^for release in ([0-9. ]+); do", text, re.MULTILINE).group(1).split()
+    newest = [max((r for r in SUPPORTED if mcore.release_series(r) == s), key=Version) for s in SERIES]
+    assert listed == newest
+
+
+def test_readme_names_the_supported_releases():
+    text = (REPO / "README.md").read_text()
+    listed = re.search(r"\(supported: ([0-9., ]+)\)", text).group(1)
+    assert tuple(listed.split(", ")) == SUPPORTED
