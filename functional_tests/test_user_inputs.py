@@ -51,3 +51,23 @@ def test_compare_reads_back_a_real_ab_file(tmp_path, capfd):
                          f"B: {result}:lru (case shared_system_prompt, megatron-core {MCORE}, device cpu)"]
     assert any("run off of A vs run lru of B" in line for line in lines)
     assert lines[-1] == "PASS: 5 requests bit-identical in 1 compared run pair(s)"
+
+
+@pytest.mark.slow
+def test_top_n_logprobs_are_recorded_and_bit_identical(tmp_path, capfd):
+    out = tmp_path / "ab.json"
+    assert cli.main(["ab", "--case", "shared_system_prompt", "--top-n-logprobs", "4", "--no-progress",
+                     "--json", str(out)]) == 0
+    assert "top-n log-probs equal" in capfd.readouterr().out
+    result = json.loads(out.read_text())
+    checked = 0
+    for run in [result["baseline"]] + [p["run"] for p in result["policies"]]:
+        for output in run["outputs"].values():
+            top_n = output["top_n_logprobs"]
+            assert len(top_n) == len(output["tokens"]) and all(1 <= len(entry) <= 4 for entry in top_n)
+            for token, log_prob, entry in zip(output["tokens"], output["log_probs"], top_n):
+                if token < 128:  # greedy: the sampled byte is the top entry, with its own log-prob bits
+                    assert entry[0] == [chr(token), log_prob]
+                    checked += 1
+    assert checked > 20
+    assert all(r["top_n_logprobs_equal"] is True for p in result["policies"] for r in p["requests"])

@@ -86,6 +86,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
         print("megatron-ext: error: --samples and --num-tokens-to-generate apply to --prompts FILE; "
               "with a case file, set 'samples' and 'num_tokens_to_generate' per request in it", file=sys.stderr)
         return 2
+    if args.top_n_logprobs is not None:
+        case = case.model_copy(update={"sampling": case.sampling.model_copy(
+            update={"top_n_logprobs": args.top_n_logprobs})})
     checkpoint = None
     if args.load is not None:  # a bad path fails here, before the model or any engine is built
         from .harness.checkpoint import resolve_checkpoint
@@ -373,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "--inference-repeat-n; default 1)")
     p_ab.add_argument("--num-tokens-to-generate", type=_positive_int, metavar="N",
                       help="with --prompts: tokens to generate where a line does not say (default 8)")
+    p_ab.add_argument("--top-n-logprobs", type=_positive_int, metavar="N",
+                      help="also record megatron-core's top-n log-probs of every generated token "
+                      "(SamplingParams.top_n_logprobs) and compare them bit for bit")
     p_ab.add_argument("--list-cases", action="store_true", help="print the shipped case names")
     p_ab.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_ab.add_argument("--width", type=int, default=None, help="table width in columns")

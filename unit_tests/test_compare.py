@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from megatron_ext.harness.compare import RequestOutput, compare_request, compare_runs
 
 
-def out(tokens, log_probs, steps=None, logits=None):
+def out(tokens, log_probs, steps=None, top_n=None):
     return RequestOutput(7, "r0.s0", 5, list(tokens), list(log_probs),
-                         list(steps or range(len(tokens))), logits)
+                         list(steps or range(len(tokens))), top_n)
 
 
 def test_identical_runs():
@@ -37,10 +39,18 @@ def test_token_divergence_and_length_mismatch():
     assert shorter.first_divergent_position == 1 and not shorter.log_probs_equal
 
 
-def test_logits_compared_bitwise_when_recorded():
-    a = out([1], [-0.5], logits=[[0.1, 0.2]])
-    assert compare_request(a, out([1], [-0.5], logits=[[0.1, 0.2]])).logits_equal is True
-    assert compare_request(a, out([1], [-0.5], logits=[[0.1, 0.2000001]])).logits_equal is False
+def test_top_n_log_probs_compared_bitwise_when_recorded():
+    top = [[("a", -0.5), ("b", -1.25)], [("c", -0.25), ("a", -2.0)]]
+    a = out([1, 2], [-0.5, -0.25], top_n=top)
+    assert compare_request(a, out([1, 2], [-0.5, -0.25], top_n=[list(t) for t in top])).top_n_logprobs_equal is True
+    assert compare_request(a, out([1, 2], [-0.5, -0.25])).top_n_logprobs_equal is None
+    one_ulp = [top[0], [("c", -0.25), ("a", math.nextafter(-2.0, 0.0))]]
+    diff = compare_request(a, out([1, 2], [-0.5, -0.25], steps=[4, 6], top_n=one_ulp))
+    assert (diff.top_n_logprobs_equal, diff.identical) == (False, False)
+    assert (diff.tokens_equal, diff.log_probs_equal) == (True, True)
+    assert (diff.first_divergent_position, diff.first_divergent_step) == (1, 6)
+    reordered = [[("b", -1.25), ("a", -0.5)], top[1]]
+    assert compare_request(a, out([1, 2], [-0.5, -0.25], top_n=reordered)).first_divergent_position == 0
 
 
 def test_runs_must_hold_the_same_requests():

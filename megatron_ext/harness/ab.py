@@ -195,9 +195,16 @@ def _run_json(run: RunRecord) -> dict[str, Any]:
         "counters": asdict(run.counters),
         "pressure": asdict(run.pressure),
         "audit": asdict(run.audit),
-        "outputs": {rid: {"label": o.label, "tokens": o.tokens, "log_probs": o.log_probs,
-                          "token_steps": o.token_steps} for rid, o in run.outputs.items()},
+        "outputs": {rid: _output_json(o) for rid, o in run.outputs.items()},
     }
+
+
+def _output_json(output: RequestOutput) -> dict[str, Any]:
+    fields = {"label": output.label, "tokens": output.tokens, "log_probs": output.log_probs,
+              "token_steps": output.token_steps}
+    if output.top_n_logprobs is not None:  # only when asked for (--top-n-logprobs)
+        fields["top_n_logprobs"] = output.top_n_logprobs
+    return fields
 
 
 @contextlib.contextmanager

@@ -24,7 +24,9 @@ class RequestOutput:
         log_probs: log-probability (natural log, as returned by megatron-core, float32 values
             carried as Python floats) of each generated token; same length as ``tokens``.
         token_steps: engine step (0-based) at which each generated token was produced.
-        logits: optional full-vocabulary logits per generated token, ``[len(tokens)][vocab]``.
+        top_n_logprobs: megatron-core's top-n log-probs of each generated token
+            (``SamplingParams.top_n_logprobs``), per token its ``(token text, log-prob)`` pairs in
+            the engine's order; None when not asked for.
     """
 
     request_id: int
@@ -33,7 +35,7 @@ class RequestOutput:
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     token_steps: list[int] = field(default_factory=list)
-    logits: Optional[list[list[float]]] = None
+    top_n_logprobs: Optional[list[list[tuple[str, float]]]] = None
 
 
 @dataclass
@@ -43,7 +45,8 @@ class RequestDiff:
     Attributes:
         tokens_equal: same generated tokens.
         log_probs_equal: same log-prob bits for every generated token (and same count).
-        logits_equal: same logits bits, or None when logits were not recorded.
+        top_n_logprobs_equal: same top-n entries (text and log-prob bits, in order) for every
+            generated token, or None when top-n log-probs were not recorded.
         first_divergent_position: index of the first generated token whose token or log-prob
             bits differ, or None.
         first_divergent_step: B's engine step of that token, or None.
@@ -55,7 +58,7 @@ class RequestDiff:
     label: str
     tokens_equal: bool
     log_probs_equal: bool
-    logits_equal: Optional[bool]
+    top_n_logprobs_equal: Optional[bool]
     first_divergent_position: Optional[int]
     first_divergent_step: Optional[int]
     max_abs_delta_log_prob: float
@@ -63,7 +66,7 @@ class RequestDiff:
 
     @property
     def identical(self) -> bool:
-        return self.tokens_equal and self.log_probs_equal and self.logits_equal is not False
+        return self.tokens_equal and self.log_probs_equal and self.top_n_logprobs_equal is not False
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -82,20 +85,20 @@ def compare_request(a: RequestOutput, b: RequestOutput) -> RequestDiff:
         raise ValueError(f"comparing different requests: {a.request_id} vs {b.request_id}")
     common = min(len(a.tokens), len(b.tokens), len(a.log_probs), len(b.log_probs))
     deltas = [abs(a.log_probs[i] - b.log_probs[i]) for i in range(min(len(a.log_probs), len(b.log_probs)))]
+    top_n = a.top_n_logprobs is not None and b.top_n_logprobs is not None
     first = next(
         (i for i in range(common)
-         if a.tokens[i] != b.tokens[i] or not same_bits(a.log_probs[i], b.log_probs[i])),
+         if a.tokens[i] != b.tokens[i] or not same_bits(a.log_probs[i], b.log_probs[i])
+         or (top_n and not _same_top_n(a.top_n_logprobs, b.top_n_logprobs, i))),
         None,
     )
     lengths_differ = len(a.tokens) != len(b.tokens) or len(a.log_probs) != len(b.log_probs)
     if first is None and lengths_differ:
         first = common
-    logits_equal = None
-    if a.logits is not None and b.logits is not None:
-        logits_equal = len(a.logits) == len(b.logits) and all(
-            len(x) == len(y) and all(same_bits(p, q) for p, q in zip(x, y))
-            for x, y in zip(a.logits, b.logits)
-        )
+    top_n_equal = None
+    if top_n:
+        top_n_equal = len(a.top_n_logprobs) == len(b.top_n_logprobs) and all(
+            _same_top_n(a.top_n_logprobs, b.top_n_logprobs, i) for i in range(len(a.top_n_logprobs)))
     finite = [d for d in deltas if not math.isnan(d)]
     return RequestDiff(
         request_id=a.request_id,
@@ -103,12 +106,20 @@ def compare_request(a: RequestOutput, b: RequestOutput) -> RequestDiff:
         tokens_equal=a.tokens == b.tokens,
         log_probs_equal=len(a.log_probs) == len(b.log_probs)
         and all(same_bits(x, y) for x, y in zip(a.log_probs, b.log_probs)),
-        logits_equal=logits_equal,
+        top_n_logprobs_equal=top_n_equal,
         first_divergent_position=first,
         first_divergent_step=(b.token_steps[first] if first is not None and first < len(b.token_steps) else None),
         max_abs_delta_log_prob=max(finite, default=0.0),
         abs_delta_log_prob=deltas,
     )
+
+
+def _same_top_n(a: list[list[tuple[str, float]]], b: list[list[tuple[str, float]]], i: int) -> bool:
+    """Whether generated token ``i`` has the same top-n entries in both (a missing one differs)."""
+    if i >= len(a) or i >= len(b):
+        return len(a) == len(b)
+    return len(a[i]) == len(b[i]) and all(
+        ka == kb and same_bits(va, vb) for (ka, va), (kb, vb) in zip(a[i], b[i]))
 
 
 def compare_runs(a: dict[int, RequestOutput], b: dict[int, RequestOutput]) -> list[RequestDiff]:

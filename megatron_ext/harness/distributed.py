@@ -59,7 +59,8 @@ def layout() -> dict[str, int]:
 
 
 def outputs_digest(runs: Iterable[Any]) -> str:
-    """SHA-256 over every run's per-request tokens and log-prob bits (``RunRecord`` objects)."""
+    """SHA-256 over every run's per-request tokens, log-prob bits and top-n log-probs (texts and
+    bits; when recorded) (``RunRecord`` objects)."""
     digest = hashlib.sha256()
     for run in runs:
         digest.update(f"run {run.prefix_caching} {run.eviction_policy} {run.error}\n".encode())
@@ -67,6 +68,8 @@ def outputs_digest(runs: Iterable[Any]) -> str:
             output = run.outputs[request_id]
             digest.update(f"{request_id}:{output.tokens}:".encode())
             digest.update(b"".join(struct.pack("<d", x) for x in output.log_probs))
+            for entry in output.top_n_logprobs or ():
+                digest.update(repr([(text, struct.pack("<d", value)) for text, value in entry]).encode())
     return digest.hexdigest()
 
 

@@ -102,11 +102,19 @@ def load_runs(path: Path) -> dict[str, RecordedRun]:
 def _outputs(run: dict[str, Any], path: Path) -> dict[int, RequestOutput]:
     try:
         return {int(rid): RequestOutput(int(rid), o["label"], 0, list(o["tokens"]),
-                                        [float(x) for x in o["log_probs"]], list(o["token_steps"]))
+                                        [float(x) for x in o["log_probs"]], list(o["token_steps"]),
+                                        _top_n(o.get("top_n_logprobs")))
                 for rid, o in run["outputs"].items()}
     except (KeyError, TypeError, ValueError) as exc:
         raise RecordedRunError(f"{path}: a run's outputs are malformed ({type(exc).__name__}: {exc}); "
                                "pass an unedited 'ab --json' file") from None
+
+
+def _top_n(entries: Optional[list]) -> Optional[list[list[tuple[str, float]]]]:
+    """``[[[text, log-prob], ...], ...]`` as JSON holds it -> lists of ``(text, log-prob)`` pairs."""
+    if entries is None:
+        return None
+    return [[(str(text), float(value)) for text, value in entry] for entry in entries]
 
 
 def pair_runs(spec_a: str, spec_b: str) -> list[tuple[RecordedRun, RecordedRun]]:

@@ -28,13 +28,15 @@ def diff_table(title: str, diffs: Sequence[RequestDiff], only_divergent: bool = 
     shown = [d for d in diffs if not (only_divergent and d.identical)]
     if only_divergent:
         title += f": {len(shown)} of {len(diffs)} requests differ"
+    top_n = any(d.top_n_logprobs_equal is not None for d in diffs)  # a column only when recorded
     table = Table(title=title)
-    for column in ("request", "id", "tokens equal", "log-probs equal", "first divergent step",
-                   "first divergent token", "max |Δ log-prob|"):
+    for column in ("request", "id", "tokens equal", "log-probs equal", *(("top-n log-probs equal",) * top_n),
+                   "first divergent step", "first divergent token", "max |Δ log-prob|"):
         table.add_column(column, justify="right" if column != "request" else "left")
     for diff in shown:
         table.add_row(
             diff.label, str(diff.request_id), _yes_no(diff.tokens_equal), _yes_no(diff.log_probs_equal),
+            *((_yes_no(diff.top_n_logprobs_equal is not False),) * top_n),
             "-" if diff.first_divergent_step is None else str(diff.first_divergent_step),
             "-" if diff.first_divergent_position is None else str(diff.first_divergent_position),
             f"{diff.max_abs_delta_log_prob:.3g}",

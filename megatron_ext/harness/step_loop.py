@@ -74,6 +74,7 @@ def sampling_params(case: Case, planned: PlannedRequest):
         return_log_probs=True,
         skip_prompt_log_probs=True,  # prompt log-probs of skipped (cached) tokens do not exist
         num_tokens_to_generate=planned.num_tokens_to_generate,
+        top_n_logprobs=case.sampling.top_n_logprobs,
     )
 
 
@@ -92,6 +93,10 @@ def _finish(output: RequestOutput, record: Any) -> None:
     merged = merged_record(record)
     output.tokens = [int(t) for t in merged.generated_tokens]
     output.log_probs = [float(x) for x in (merged.generated_log_probs or [])]
+    if merged.sampling_params.top_n_logprobs > 0:
+        # dicts keyed by token text, in the engine's order (largest first)
+        output.top_n_logprobs = [[(str(k), float(v)) for k, v in entry.items()]
+                                 for entry in (merged.generated_top_n_logprobs or [])]
 
 
 def step_until_done(

@@ -81,6 +81,9 @@ class SamplingSpec(_Strict):
     temperature: float = Field(1.0, gt=0)
     top_k: int = Field(1, ge=0)
     top_p: float = Field(0.0, ge=0, le=1)
+    #: megatron-core's ``SamplingParams.top_n_logprobs``: record and compare, bit for bit, the
+    #: top-n log-probs of every generated token (0: off)
+    top_n_logprobs: int = Field(0, ge=0)
 
 
 class RequestSpec(_Strict):
