@@ -47,8 +47,8 @@ def test_compare_reads_back_a_real_ab_file(tmp_path, capfd):
     # caching off vs LRU from the same file: what ab found, now from the file, bit for bit
     assert cli.main(["compare", f"{result}:off", f"{result}:lru"]) == 0
     lines = capfd.readouterr().out.splitlines()
-    assert lines[:2] == [f"A: {result}:off (case shared_system_prompt, megatron-core {MCORE}, device cpu)",
-                         f"B: {result}:lru (case shared_system_prompt, megatron-core {MCORE}, device cpu)"]
+    assert lines[:2] == [f"A: {result} (case shared_system_prompt, megatron-core {MCORE}, device cpu)",
+                         f"B: {result} (case shared_system_prompt, megatron-core {MCORE}, device cpu)"]
     assert any("run off of A vs run lru of B" in line for line in lines)
     assert lines[-1] == "PASS: 5 requests bit-identical in 1 compared run pair(s)"
 

@@ -60,9 +60,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_ab(args: argparse.Namespace) -> int:
     """Run a case with prefix caching off and on; exit 0 only if bit-identical and audit-clean."""
     from .harness.ab import run_ab
-    from .harness.report import print_report, write_plot
     from .harness.cases import load_case, shipped_cases
     from .harness.distributed import RankFailedError, describe_layout
+    from .harness.report import print_report, write_plot
 
     if args.list_cases:
         print("\n".join(shipped_cases()))
@@ -189,9 +189,9 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
     The model is built exactly as ``ab`` builds it (same case model section, same seed unless
     ``--seed``), on CPU ranks; under torchrun each rank writes its TP/PP shards.
     """
+    from .cpu_backend import cpu_backend
     from .harness.cases import load_case
     from .harness.checkpoint import save_checkpoint
-    from .cpu_backend import cpu_backend
     from .harness.engine import build_model, ensure_model_parallel
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -217,8 +217,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
     """``ab`` on a generated workload of ``--requests`` requests (:func:`megatron_ext.harness.soak.soak_case`);
     exit codes as ``ab``."""
     from .harness.ab import run_ab
-    from .harness.report import print_report
     from .harness.cases import dump_case
+    from .harness.report import print_report
     from .harness.soak import soak_case, soak_summary
 
     if not _outputs_writable({"--json": args.json, "--dump-case": args.dump_case}):
@@ -252,43 +252,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     Exit 0 if every compared pair is bit-identical, 1 if any request differs, 2 bad input.
     """
-    from .harness.report import diff_table, write_diff_plot
     from .harness.recorded import compare_recorded, pair_runs
+    from .harness.report import print_comparison, write_diff_plot
 
     if not _outputs_writable({"--json": args.json, "--plot": args.plot}) or not _plot_possible(args.plot):
         return 2
     comparisons = [compare_recorded(a, b) for a, b in pair_runs(args.a, args.b)]
-    console = report_console(args.width)
-    first = comparisons[0]
-    console.print(f"A: {args.a} ({first.a.context})", markup=False, highlight=False)
-    console.print(f"B: {args.b} ({first.b.context})", markup=False, highlight=False)
-    for comparison in comparisons:
-        # short title: rich wraps a title wider than its table, and the file names are above
-        console.print(diff_table(f"run {comparison.a.name} of A vs run {comparison.b.name} of B", comparison.diffs,
-                                 only_divergent=args.only_divergent))
+    identical = all(c.bit_identical for c in comparisons)
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "verdict": "pass" if all(c.bit_identical for c in comparisons) else "fail",
-            "pairs": [c.as_json() for c in comparisons]}, indent=2))
+        Path(args.json).write_text(json.dumps({"verdict": "pass" if identical else "fail",
+                                               "pairs": [c.as_json() for c in comparisons]}, indent=2))
     if args.plot:
         write_diff_plot([(f"{c.a.name} vs {c.b.name}", c.diffs, c.b.outputs) for c in comparisons], Path(args.plot))
-    return _print_compare_verdict(console, comparisons)
-
-
-def _print_compare_verdict(console, comparisons) -> int:
-    """The last line: PASS with the request count, or FAIL naming the first request that differs."""
-    differing = [(c, d) for c in comparisons for d in c.diffs if not d.identical]
-    if not differing:
-        requests = len(comparisons[0].diffs)
-        console.print(f"[bold green]PASS[/]: {requests} requests bit-identical in {len(comparisons)} "
-                      f"compared run pair(s)")
-        return 0
-    comparison, diff = differing[0]
-    console.print(f"[bold red]FAIL[/]: {len(differing)} requests differ; first: {diff.label} (id "
-                  f"{diff.request_id}) in {comparison.a.source} vs {comparison.b.source}, at generated "
-                  f"token {diff.first_divergent_position} (engine step {diff.first_divergent_step} of B), "
-                  f"max |Δ log-prob| {diff.max_abs_delta_log_prob:.3g}", highlight=False)
-    return 1
+    print_comparison(comparisons, report_console(args.width), only_divergent=args.only_divergent)
+    return 0 if identical else 1
 
 
 def _plot_possible(plot: Optional[str]) -> bool:

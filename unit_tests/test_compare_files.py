@@ -83,7 +83,7 @@ def test_cli_exit_codes_and_verdict_last(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == "PASS: 1 requests bit-identical in 3 compared run pair(s)"
     assert cli.main(["compare", str(a), str(b), "--json", str(out)]) == 1
     last = capsys.readouterr().out.splitlines()[-1]
-    assert last.startswith(f"FAIL: 2 requests differ; first: r0.s0 (id 7) in {a}:ref_zero vs {b}:ref_zero, "
+    assert last.startswith(f"FAIL: 2 of 3 compared requests differ; first: r0.s0 (id 7) in {a}:ref_zero vs {b}:ref_zero, "
                            "at generated token 2 (engine step 5 of B)")
     written = json.loads(out.read_text())
     assert written["verdict"] == "fail"

@@ -30,6 +30,7 @@ class RecordedRun:
     """One run read from an ab/soak JSON file.
 
     Attributes:
+        path: the file.
         source: ``FILE:RUN`` as the report names it.
         name: ``off`` or the eviction policy.
         outputs: request ID -> :class:`RequestOutput` (tokens, float64 log-probs, token steps).
@@ -38,6 +39,7 @@ class RecordedRun:
         context: one line naming the case, megatron-core release and device of the file.
     """
 
+    path: Path
     source: str
     name: str
     outputs: dict[int, RequestOutput]
@@ -95,7 +97,7 @@ def load_runs(path: Path) -> dict[str, RecordedRun]:
                f"device {data.get('device', '?')}")
     requests = {r["request_id"]: r for r in data.get("requests", [])}
     runs = [(CACHING_OFF, data["baseline"])] + [(p["eviction_policy"], p["run"]) for p in data["policies"]]
-    return {name: RecordedRun(f"{path}:{name}", name, _outputs(run, path), requests, context)
+    return {name: RecordedRun(path, f"{path}:{name}", name, _outputs(run, path), requests, context)
             for name, run in runs}
 
 

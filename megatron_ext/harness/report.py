@@ -10,6 +10,7 @@ from rich.table import Table
 
 from .ab import ABResult, PolicyResult
 from .compare import RequestDiff, RequestOutput
+from .recorded import RunComparison
 
 
 def _yes_no(value: bool) -> str:
@@ -116,6 +117,30 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
         weights = "" if result.checkpoint is None else f" (weights from {result.checkpoint.path})"
         console.print(f"[bold green]PASS[/]: {len(result.baseline.outputs)} requests bit-identical with "
                       f"prefix caching on and off{weights}; every audit holds ({result.wall_s:.1f} s)")
+
+
+def print_comparison(comparisons: Sequence[RunComparison], console: Console, only_divergent: bool = False) -> None:
+    """The report of ``megatron-ext compare``: the two files, a table per compared run pair, and
+    the verdict last (PASS, or FAIL naming the first request that differs, its token and step)."""
+    first = comparisons[0]
+    console.print(f"A: {first.a.path} ({first.a.context})", markup=False, highlight=False)
+    console.print(f"B: {first.b.path} ({first.b.context})", markup=False, highlight=False)
+    for comparison in comparisons:
+        # short title: rich wraps a title wider than its table, and the file names are above
+        console.print(diff_table(f"run {comparison.a.name} of A vs run {comparison.b.name} of B",
+                                 comparison.diffs, only_divergent))
+    compared = sum(len(c.diffs) for c in comparisons)
+    differing = [(c, d) for c in comparisons for d in c.diffs if not d.identical]
+    if not differing:
+        console.print(f"[bold green]PASS[/]: {len(first.diffs)} requests bit-identical in {len(comparisons)} "
+                      "compared run pair(s)")
+        return
+    comparison, diff = differing[0]
+    console.print(f"[bold red]FAIL[/]: {len(differing)} of {compared} compared requests differ; first: "
+                  f"{diff.label} (id {diff.request_id}) in {comparison.a.source} vs {comparison.b.source}, "
+                  f"at generated token {diff.first_divergent_position} (engine step "
+                  f"{diff.first_divergent_step} of B), max |Δ log-prob| {diff.max_abs_delta_log_prob:.3g}",
+                  highlight=False)
 
 
 def write_plot(result: ABResult, path: Path) -> None:
