@@ -71,3 +71,40 @@ def test_top_n_logprobs_are_recorded_and_bit_identical(tmp_path, capfd):
                     checked += 1
     assert checked > 20
     assert all(r["top_n_logprobs_equal"] is True for p in result["policies"] for r in p["requests"])
+
+
+@pytest.mark.slow
+def test_megatron_model_config_runs_as_an_ab_case(tmp_path, capfd):
+    # a Megatron functional-test case (the format of gpt_dynamic_inference_*_prefix_caching_lru),
+    # small: model flags instead of --use-checkpoint-args, chunked prefill, LRU, arrivals per step
+    directory = tmp_path / "gpt_dynamic_inference_tp1_pp1_tiny_prefix_caching_lru"
+    directory.mkdir()
+    (directory / "model_config.yaml").write_text(json.dumps({
+        "ENV_VARS": {"CUDA_DEVICE_MAX_CONNECTIONS": 1}, "TEST_TYPE": "frozen-start", "MODE": "inference",
+        "MODEL_ARGS": {
+            "--use-mcore-models": True, "--attention-backend": "flash", "--transformer-impl": "transformer_engine",
+            "--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1, "--bf16": True,
+            "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--max-position-embeddings": 256,
+            "--inference-max-seq-length": 256, "--top_k": 1, "--return-log-probs": True,
+            "--num-tokens-to-generate": 12, "--inference-dynamic-batching-buffer-size-gb": 0.002,
+            "--inference-dynamic-batching-block-size": 16, "--inference-dynamic-batching-max-tokens": 64,
+            "--enable-chunked-prefill": True, "--inference-dynamic-batching-prefix-caching": True,
+            "--inference-dynamic-batching-prefix-caching-eviction-policy": "lru",
+            "--output-path": "${INFERENCE_OUTPUT_PATH}", "--incoming-requests-per-step": 1,
+            "--prompts": ["Time travel to 2008, and go to a bar on the Lower East Side.",
+                          "Time travel to 2008, and go to a disco-basement on the Lower East Side."],
+            "--inference-repeat-n": 3},
+        "METRICS": ["generated_tokens", "logprobs"]}))  # JSON is YAML
+    out = tmp_path / "ab.json"
+    code = cli.main(["ab", "--case", str(directory / "model_config.yaml"), "--no-progress", "--json", str(out)])
+    lines = capfd.readouterr().out.splitlines()
+    assert code == 0, "\n".join(lines)
+    ignored = [line for line in lines if line.startswith("megatron case: ignored ")]
+    assert [line.split(":")[1].split()[-1] for line in ignored] == [
+        "--use-mcore-models", "--attention-backend", "--transformer-impl", "--return-log-probs",
+        "--inference-dynamic-batching-prefix-caching", "--output-path"]
+    result = json.loads(out.read_text())
+    assert result["case"] == "gpt_dynamic_inference_tp1_pp1_tiny_prefix_caching_lru"
+    assert [p["eviction_policy"] for p in result["policies"]] == ["lru"]
+    assert len(result["requests"]) == 6 and result["bit_identical"] and result["failures"] == []
+    assert result["prefill_tokens_skipped"] > 0

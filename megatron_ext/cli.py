@@ -60,7 +60,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_ab(args: argparse.Namespace) -> int:
     """Run a case with prefix caching off and on; exit 0 only if bit-identical and audit-clean."""
     from .harness.ab import run_ab
-    from .harness.cases import load_case, shipped_cases
+    from .harness.cases import shipped_cases
     from .harness.distributed import RankFailedError, describe_layout
     from .harness.report import print_report, write_plot
 
@@ -77,7 +77,14 @@ def cmd_ab(args: argparse.Namespace) -> int:
         return 2
     if not _outputs_writable({"--json": args.json, "--plot": args.plot}) or not _plot_possible(args.plot):
         return 2
-    case = load_case(args.case)
+    case, megatron_case = _ab_case(args)
+    if megatron_case is not None:
+        tp, pp = megatron_case.tensor_model_parallel_size, megatron_case.pipeline_model_parallel_size
+        if not _layout_fits(tp, pp, "ab"):
+            return 2
+        args.load = args.load or megatron_case.load
+        if rank == 0:
+            _print_megatron_mapping(megatron_case)
     if args.prompts is not None:
         from .harness.prompts import prompts_case
 
@@ -124,6 +131,32 @@ def cmd_ab(args: argparse.Namespace) -> int:
         if args.plot:
             write_plot(result, Path(args.plot))
     return result.exit_code()
+
+
+def _ab_case(args: argparse.Namespace):
+    """The case of ``ab --case``: a shipped name, a case file, or a Megatron ``model_config.yaml``
+    (then also its :class:`MegatronCase`, else None)."""
+    from .harness.cases import CaseFileError, load_case
+    from .harness.megatron_case import is_megatron_case_file, load_megatron_case
+
+    if not is_megatron_case_file(args.case):
+        return load_case(args.case), None
+    megatron_case = load_megatron_case(Path(args.case), args.device, load_given=args.load is not None)
+    if megatron_case.tokenizer is not None:
+        kind, model = megatron_case.tokenizer
+        raise CaseFileError(f"{args.case}: --tokenizer-type {kind} (--tokenizer-model {model}): ab runs the "
+                            "byte-level tokenizer only for now; remove the tokenizer arguments from a copy of the file")
+    if megatron_case.use_checkpoint_args and not (args.load or megatron_case.load):
+        raise CaseFileError(f"{args.case}: --use-checkpoint-args without --load: give the checkpoint (ab --load DIR)")
+    return megatron_case.case, megatron_case
+
+
+def _print_megatron_mapping(megatron_case) -> None:
+    """The Megatron arguments ab ignored, and the mappings whose meaning differs, once each."""
+    for arg, how in megatron_case.notes:
+        print(f"megatron case: {arg}: {how}")
+    for arg, why in megatron_case.ignored:
+        print(f"megatron case: ignored {arg}: {why}")
 
 
 def _library_log(args: argparse.Namespace, command: str) -> Optional[Path]:

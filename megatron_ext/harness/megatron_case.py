@@ -1,0 +1,339 @@
+"""Megatron functional-test cases (``model_config.yaml``) as ``ab`` cases.
+
+Megatron-LM describes each of its inference tests (``tests/functional_tests/test_cases/gpt/
+gpt_dynamic_inference_*prefix_caching*/model_config.yaml``) as ``MODE``, ``ENV_VARS`` and
+``MODEL_ARGS``: the command-line arguments of ``gpt_dynamic_inference.py``. ``ab --case
+model_config.yaml`` reads such a file: every argument megatron-ext understands is mapped onto the
+case (inference config, eviction policy, prompts, sampling, model, checkpoint, layout); every other
+one is listed once, as ignored (it changes nothing ``ab`` compares: logging, GPU kernels, output
+paths) or refused (it changes the model or the engine in a way ``ab`` cannot reproduce).
+``${VARIABLES}`` in mapped values are expanded from the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import yaml
+
+from .cases import Case, CaseFileError, RequestSpec, parse_case
+
+#: Megatron-LM's default KV block size (``--inference-dynamic-batching-block-size``) when absent.
+MEGATRON_BLOCK_SIZE_TOKENS = 256
+
+#: Buffer sizes above this are refused on the CPU: megatron-core allocates the whole KV buffer.
+CPU_BUFFER_LIMIT_GB = 4.0
+
+#: Arguments that change nothing ``ab`` compares, with why.
+IGNORED = {
+    "--inference-dynamic-batching-prefix-caching": "ab always runs prefix caching off (A) and on (B)",
+    "--return-log-probs": "ab always records log-probs",
+    "--use-mcore-models": "megatron-core's GPTModel is what ab builds",
+    "--auto-detect-ckpt-format": "ab reads torch_dist checkpoints only and checks the format",
+    "--no-load-optim": "ab loads model weights only",
+    "--no-use-tokenizer-model-from-checkpoint-args": "ab takes the tokenizer from this file",
+    "--micro-batch-size": "training setting",
+    "--seq-length": "training setting (the engine's limit is --inference-max-seq-length)",
+    "--deterministic-mode": "a GPU kernel setting, ab checks batch invariance itself on the CPU",
+    "--sequence-parallel": "a GPU communication setting; outputs do not depend on it",
+    "--attention-backend": "GPU kernel choice, the CPU backend has one reference attention",
+    "--transformer-impl": "ab builds megatron-core's local layer spec (same parameter names)",
+    "--distributed-backend": "ab runs CPU ranks over gloo",
+    "--max-tokens-to-oom": "a GPU memory guard",
+    "--no-rope-fusion": "ab never fuses RoPE on the CPU",
+    "--no-masked-softmax-fusion": "the CPU backend has no fused softmax",
+    "--dist-ckpt-strictness": "ab's checkpoint load is always strict",
+    "--inference-ckpt-non-strict": "ab's checkpoint load is always strict",
+    "--output-path": "ab writes its own results (--json)",
+    "--inference-logging-step-interval": "logging",
+    "--log-interval": "logging",
+    "--timing-log-level": "logging",
+    "--log-memory-to-tensorboard": "logging",
+    "--log-num-zeros-in-grad": "logging",
+    "--log-validation-ppl-to-tensorboard": "logging",
+    "--log-timers-to-tensorboard": "logging",
+    "--num-workers": "data loading",
+    "--save-interval": "training setting",
+    "--hidden-dropout": "no dropout at inference",
+    "--attention-dropout": "no dropout at inference",
+    "--no-create-attention-mask-in-dataloader": "data loading",
+    "--ckpt-fully-parallel-save": "checkpoint I/O strategy",
+    "--ckpt-fully-parallel-load": "checkpoint I/O strategy",
+    "--ckpt-assume-constant-structure": "checkpoint I/O strategy",
+    "--tiktoken-pattern": "used with --tokenizer-type TikTokenizer only",
+}
+
+#: Argument prefixes and arguments that change the model or engine beyond what ab reproduces.
+REFUSED_PREFIXES = {
+    "--moe-": "mixture-of-experts models are not supported by ab",
+    "--fp8": "FP8 needs Transformer Engine on a GPU",
+    "--cuda-graph": "CUDA graphs need a GPU",
+}
+REFUSED = {
+    "--num-experts": "mixture-of-experts models are not supported by ab",
+    "--expert-model-parallel-size": "mixture-of-experts models are not supported by ab",
+    "--expert-tensor-parallel-size": "mixture-of-experts models are not supported by ab",
+    "--mtp-num-layers": "multi-token prediction is not supported by ab",
+    "--spec": "a custom layer spec: ab builds megatron-core's local GPT layer spec",
+    "--hybrid-layer-pattern": "hybrid (Mamba) models are not supported by ab",
+    "--window-size": "sliding-window attention is not supported by the CPU backend",
+    "--softmax-type": "only the default softmax is supported",
+    "--fp16": "ab runs bf16 or fp32",
+    "--stop-words": "stop words are not supported by ab",
+    "--termination-id": "a custom termination token is not supported by ab",
+}
+
+#: ``--flag`` -> model section field, where they differ only in spelling.
+MODEL_FIELDS = {
+    "--num-layers": "num_layers",
+    "--hidden-size": "hidden_size",
+    "--ffn-hidden-size": "ffn_hidden_size",
+    "--num-attention-heads": "num_attention_heads",
+    "--num-query-groups": "num_query_groups",
+    "--kv-channels": "kv_channels",
+    "--max-position-embeddings": "max_position_embeddings",
+    "--padded-vocab-size": "vocab_size",
+    "--init-method-std": "init_method_std",
+    "--normalization": "normalization",
+    "--norm-epsilon": "norm_epsilon",
+    "--swiglu": "swiglu",
+    "--position-embedding-type": "position_embedding_type",
+    "--rotary-base": "rotary_base",
+    "--rotary-percent": "rotary_percent",
+    "--qk-layernorm": "qk_layernorm",
+    "--untie-embeddings-and-output-weights": "untie_embeddings_and_output_weights",
+    "--add-qkv-bias": "add_qkv_bias",
+}
+
+_VARIABLE = re.compile(r"\$\{(\w+)\}|\$(\w+)")
+
+
+@dataclass
+class MegatronCase:
+    """A Megatron ``model_config.yaml`` read as an ``ab`` case.
+
+    Attributes:
+        case: the case (its ``model`` section only where MODEL_ARGS give model flags and not
+            ``--use-checkpoint-args``).
+        load: ``--load`` with variables expanded, or None.
+        use_checkpoint_args: the model is to be built from the checkpoint's arguments.
+        tokenizer: ``(tokenizer type, tokenizer model path)`` from ``--tokenizer-type`` /
+            ``--tokenizer-model``, or None.
+        tensor_model_parallel_size, pipeline_model_parallel_size: the layout the file asks for.
+        ignored: ``(argument, why)`` for every argument that changes nothing ab compares.
+        notes: ``(argument, how it was mapped)`` where Megatron's meaning differs from ab's.
+    """
+
+    case: Case
+    load: Optional[str] = None
+    use_checkpoint_args: bool = False
+    tokenizer: Optional[tuple[str, Optional[str]]] = None
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    ignored: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[tuple[str, str]] = field(default_factory=list)
+
+
+def is_megatron_case_file(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is a readable YAML file with Megatron's ``MODEL_ARGS`` section."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        return False
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False  # load_case reports it
+    return isinstance(data, dict) and "MODEL_ARGS" in data
+
+
+def load_megatron_case(path: Path, device: str = "cpu", environ: Optional[dict[str, str]] = None,
+                       load_given: bool = False) -> MegatronCase:
+    """Read a Megatron ``model_config.yaml`` as an ``ab`` case.
+
+    Args:
+        path: the file.
+        device: ``cpu`` or ``cuda`` (the KV buffer size is bounded on the CPU).
+        environ: variables for ``${NAME}`` (default: the process environment).
+        load_given: ``ab --load`` was given: the file's ``--load`` is not read (nor expanded).
+
+    Raises:
+        CaseFileError: ``MODE`` is not ``inference``; an argument is refused (all of them named in
+            one message, with why); a mapped value uses an unset variable or is malformed; the
+            resulting case is invalid (field named).
+    """
+    data = yaml.safe_load(path.read_text())
+    mode = data.get("MODE", "inference")
+    if mode != "inference":
+        raise CaseFileError(f"{path}: MODE {mode!r}: ab runs inference cases only")
+    args = data.get("MODEL_ARGS") or {}
+    if not isinstance(args, dict):
+        raise CaseFileError(f"{path}: MODEL_ARGS must be a mapping of '--argument: value'")
+    refused = [f"{arg} ({why})" for arg in args if (why := _refusal(arg)) is not None]
+    if refused:
+        raise CaseFileError(f"{path}: refused: {'; '.join(refused)}")
+    reader = _ArgReader(path, args, environ if environ is not None else dict(os.environ))
+    if load_given and "--load" in args:
+        reader.skip("--load", "ab --load DIR given on the command line")
+    return _build(path, reader, device)
+
+
+def _refusal(arg: str) -> Optional[str]:
+    if arg in REFUSED:
+        return REFUSED[arg]
+    return next((why for prefix, why in REFUSED_PREFIXES.items() if arg.startswith(prefix)), None)
+
+
+class _ArgReader:
+    """MODEL_ARGS with the arguments read so far remembered (the rest are listed as ignored)."""
+
+    def __init__(self, path: Path, args: dict[str, Any], environ: dict[str, str]):
+        self.path, self.args, self.environ = path, args, environ
+        self.used: set[str] = set()
+        self.skipped: dict[str, str] = {}
+
+    def skip(self, arg: str, why: str) -> None:
+        """Leave ``arg`` unread, listed as ignored with ``why``."""
+        self.skipped[arg] = why
+
+    def get(self, arg: str, convert: Callable[[Any], Any] = lambda v: v, default: Any = None) -> Any:
+        if arg not in self.args or arg in self.skipped:
+            return default
+        self.used.add(arg)
+        value = self.args[arg]
+        if isinstance(value, str):
+            value = self._expand(arg, value)
+        try:
+            return convert(value)
+        except (TypeError, ValueError):
+            raise CaseFileError(f"{self.path}: {arg}: {value!r} is not a valid value") from None
+
+    def _expand(self, arg: str, value: str) -> str:
+        def variable(match: re.Match) -> str:
+            name = match.group(1) or match.group(2)
+            if name not in self.environ:
+                raise CaseFileError(f"{self.path}: {arg} uses ${{{name}}}, which is not set; set it in the "
+                                    "environment (Megatron's CI sets it)")
+            return self.environ[name]
+
+        return _VARIABLE.sub(variable, value)
+
+    def ignored(self) -> list[tuple[str, str]]:
+        unknown = "not known to megatron-ext: check it changes neither the model nor the engine"
+        return [(arg, self.skipped.get(arg) or IGNORED.get(arg, unknown)) for arg in self.args if arg not in self.used]
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes"):
+        return True
+    if str(value).lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(value)
+
+
+def _build(path: Path, args: _ArgReader, device: str) -> MegatronCase:
+    notes: list[tuple[str, str]] = []
+    inference = _inference(path, args, device)
+    policy = args.get("--inference-dynamic-batching-prefix-caching-eviction-policy", str, "ref_zero")
+    sampling = {key: value for key, value in (
+        ("temperature", args.get("--temperature", float)), ("top_k", args.get("--top_k", int)),
+        ("top_p", args.get("--top_p", float)), ("top_n_logprobs", args.get("--top-n-logprobs", int)))
+        if value is not None}
+    use_checkpoint_args = args.get("--use-checkpoint-args", _flag, False)
+    model = _model(args)
+    fields: dict[str, Any] = {
+        "name": path.parent.name or path.stem,
+        "description": f"Megatron functional-test case {path}",
+        "inference": inference,
+        "prefix_caching_eviction_policies": [policy],
+        "sampling": sampling,
+        "requests": _requests(path, args, notes),
+    }
+    if model and not use_checkpoint_args:
+        fields["model"] = model
+    elif model:
+        notes.append(("--use-checkpoint-args", "the model comes from the checkpoint's arguments; the file's "
+                                               "model flags are not used"))
+    case = parse_case(yaml.safe_dump(fields), str(path))
+    tokenizer_type = args.get("--tokenizer-type", str)
+    return MegatronCase(
+        case=case,
+        load=args.get("--load", str),
+        use_checkpoint_args=use_checkpoint_args,
+        tokenizer=(tokenizer_type, args.get("--tokenizer-model", str)) if tokenizer_type else None,
+        tensor_model_parallel_size=args.get("--tensor-model-parallel-size", int, 1),
+        pipeline_model_parallel_size=args.get("--pipeline-model-parallel-size", int, 1),
+        ignored=args.ignored(),
+        notes=notes,
+    )
+
+
+def _inference(path: Path, args: _ArgReader, device: str) -> dict[str, Any]:
+    fields = {key: value for key, value in (
+        ("buffer_size_gb", args.get("--inference-dynamic-batching-buffer-size-gb", float)),
+        ("max_requests", args.get("--inference-dynamic-batching-max-requests", int)),
+        ("max_tokens", args.get("--inference-dynamic-batching-max-tokens", int)),
+        ("max_sequence_length", args.get("--inference-max-seq-length", int)),
+        ("enable_chunked_prefill", args.get("--enable-chunked-prefill", _flag)),
+    ) if value is not None}
+    fields["block_size_tokens"] = args.get("--inference-dynamic-batching-block-size", int, MEGATRON_BLOCK_SIZE_TOKENS)
+    if fields.get("buffer_size_gb", 0) > CPU_BUFFER_LIMIT_GB and device == "cpu":
+        raise CaseFileError(
+            f"{path}: --inference-dynamic-batching-buffer-size-gb {fields['buffer_size_gb']} would allocate "
+            f"that much CPU memory for the KV cache; on the CPU ab allows up to {CPU_BUFFER_LIMIT_GB} GB: "
+            "lower it in a copy of the file (the pool's pressure then differs from the GPU test's)")
+    if args.get("--ckpt-format", str, "torch_dist") != "torch_dist":
+        raise CaseFileError(f"{path}: --ckpt-format {args.args['--ckpt-format']}: ab loads torch_dist checkpoints only")
+    if args.get("--incoming-requests-per-sec", float, -1) > 0:
+        raise CaseFileError(f"{path}: --incoming-requests-per-sec > 0 draws random arrival times; ab needs a "
+                            "reproducible schedule: use -1 (all at once) or --incoming-requests-per-step")
+    return fields
+
+
+def _model(args: _ArgReader) -> dict[str, Any]:
+    from .cases import ModelSpec
+
+    model: dict[str, Any] = {}
+    for arg, name in MODEL_FIELDS.items():
+        if arg in args.args:
+            if name not in ModelSpec.model_fields:
+                raise CaseFileError(f"{args.path}: refused: {arg} (this megatron-ext's model section has no "
+                                    f"'{name}')")
+            model[name] = args.get(arg)
+    bf16 = args.get("--bf16", _flag, False)
+    if model or bf16:  # Megatron's default without --bf16 / --fp16 is fp32
+        model["params_dtype"] = "bf16" if bf16 else "fp32"
+    if args.get("--disable-bias-linear", _flag, False):
+        if "add_bias_linear" not in ModelSpec.model_fields:
+            raise CaseFileError(f"{args.path}: refused: --disable-bias-linear (this megatron-ext's model section "
+                                "has no 'add_bias_linear')")
+        model["add_bias_linear"] = False
+    if args.get("--group-query-attention", _flag, False) and "num_query_groups" not in model:
+        raise CaseFileError(f"{args.path}: --group-query-attention needs --num-query-groups")
+    return model
+
+
+def _requests(path: Path, args: _ArgReader, notes: list) -> list[dict[str, Any]]:
+    prompts = args.get("--prompts")
+    prompt_file = args.get("--prompt-file", str)
+    if prompts is None and prompt_file is None:
+        raise CaseFileError(f"{path}: no --prompts or --prompt-file; ab needs the prompts (or give them with "
+                            "ab --prompts FILE)")
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts or [])
+    if prompt_file is not None:
+        from .prompts import read_prompts
+
+        prompts += [spec.prompt for _, spec in read_prompts(path.parent / prompt_file)]
+    samples = args.get("--inference-repeat-n", int, 1)
+    if samples > 1:
+        notes.append(("--inference-repeat-n", f"each prompt runs as {samples} samples admitted together (they "
+                                              "share prefix blocks); Megatron repeats the whole trial instead"))
+    per_step = args.get("--incoming-requests-per-step", int)
+    generate = args.get("--num-tokens-to-generate", int, RequestSpec.model_fields["num_tokens_to_generate"].default)
+    return [{"prompt": prompt, "samples": samples, "num_tokens_to_generate": generate,
+             "arrival_step": index // per_step if per_step else 0} for index, prompt in enumerate(prompts)]

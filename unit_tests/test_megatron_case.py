@@ -1,0 +1,132 @@
+"""Megatron functional-test cases (``model_config.yaml``) read as ``ab`` cases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_ext import cli
+from megatron_ext.harness.cases import CaseFileError
+from megatron_ext.harness.megatron_case import is_megatron_case_file, load_megatron_case
+
+#: Shaped like Megatron-LM's gpt_dynamic_inference_tp1_pp1_583m_prefix_caching_lru case, small.
+MODEL_ARGS = {
+    "--use-mcore-models": True,
+    "--tokenizer-type": "TikTokenizer",
+    "--tokenizer-model": "${CHECKPOINT_LOAD_PATH}/vocab.json",
+    "--inference-max-seq-length": 256,
+    "--attention-backend": "flash",
+    "--use-checkpoint-args": True,
+    "--load": "${CHECKPOINT_LOAD_PATH}/model",
+    "--tensor-model-parallel-size": 1,
+    "--pipeline-model-parallel-size": 1,
+    "--ckpt-format": "torch_dist",
+    "--bf16": True,
+    "--num-layers": 2,
+    "--hidden-size": 64,
+    "--num-attention-heads": 4,
+    "--max-position-embeddings": 256,
+    "--temperature": 1.0,
+    "--top_k": 1,
+    "--return-log-probs": True,
+    "--num-tokens-to-generate": 12,
+    "--inference-dynamic-batching-buffer-size-gb": 0.002,
+    "--inference-dynamic-batching-block-size": 16,
+    "--enable-chunked-prefill": True,
+    "--inference-dynamic-batching-max-tokens": 64,
+    "--inference-dynamic-batching-prefix-caching": True,
+    "--inference-dynamic-batching-prefix-caching-eviction-policy": "lru",
+    "--output-path": "${INFERENCE_OUTPUT_PATH}",
+    "--prompts": ["Time travel to 2008.", "Time travel to 2009."],
+    "--incoming-requests-per-step": 1,
+    "--inference-repeat-n": 3,
+    "--some-new-flag": 7,
+}
+
+
+def write(tmp_path: Path, model_args: dict, mode: str = "inference") -> Path:
+    directory = tmp_path / "gpt_dynamic_inference_tp1_pp1_tiny_prefix_caching_lru"
+    directory.mkdir(exist_ok=True)
+    path = directory / "model_config.yaml"
+    path.write_text(yaml.safe_dump({"ENV_VARS": {"NCCL_ALGO": "Ring"}, "MODE": mode, "MODEL_ARGS": model_args,
+                                    "METRICS": ["logprobs"]}, sort_keys=False))
+    return path
+
+
+def test_every_argument_is_mapped_or_listed_once(tmp_path):
+    path = write(tmp_path, MODEL_ARGS)
+    assert is_megatron_case_file(str(path))
+    mc = load_megatron_case(path, environ={"CHECKPOINT_LOAD_PATH": "/ckpts"})
+    case = mc.case
+    assert case.name == "gpt_dynamic_inference_tp1_pp1_tiny_prefix_caching_lru"
+    assert case.inference.model_dump() == {"block_size_tokens": 16, "buffer_size_gb": 0.002, "max_requests": 16,
+                                           "max_tokens": 64, "max_sequence_length": 256,
+                                           "enable_chunked_prefill": True}
+    assert case.prefix_caching_eviction_policies == ["lru"]
+    assert (case.sampling.temperature, case.sampling.top_k) == (1.0, 1)
+    assert [(r.prompt, r.samples, r.num_tokens_to_generate, r.arrival_step) for r in case.requests] == [
+        ("Time travel to 2008.", 3, 12, 0), ("Time travel to 2009.", 3, 12, 1)]
+    assert "model" not in case.model_fields_set  # --use-checkpoint-args: the model comes from the checkpoint
+    assert (mc.load, mc.use_checkpoint_args) == ("/ckpts/model", True)
+    assert mc.tokenizer == ("TikTokenizer", "/ckpts/vocab.json")
+    assert [arg for arg, _ in mc.ignored] == [
+        "--use-mcore-models", "--attention-backend", "--return-log-probs",
+        "--inference-dynamic-batching-prefix-caching", "--output-path", "--some-new-flag"]
+    assert dict(mc.ignored)["--some-new-flag"].startswith("not known to megatron-ext")
+    assert [arg for arg, _ in mc.notes] == ["--inference-repeat-n", "--use-checkpoint-args"]
+
+
+def test_model_flags_build_the_model_section_without_checkpoint_args(tmp_path):
+    args = {k: v for k, v in MODEL_ARGS.items() if k not in ("--use-checkpoint-args", "--load", "--tokenizer-type",
+                                                                "--tokenizer-model")}
+    case = load_megatron_case(write(tmp_path, args)).case
+    assert "model" in case.model_fields_set
+    assert (case.model.num_layers, case.model.hidden_size, case.model.num_attention_heads,
+            case.model.max_position_embeddings, case.model.params_dtype) == (2, 64, 4, 256, "bf16")
+
+
+def test_block_size_defaults_to_megatrons(tmp_path):
+    args = {k: v for k, v in MODEL_ARGS.items() if k != "--inference-dynamic-batching-block-size"}
+    assert load_megatron_case(write(tmp_path, args), environ={"CHECKPOINT_LOAD_PATH": "/c"}).case.inference.block_size_tokens == 256
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--num-experts": 64, "--moe-router-topk": 2}, "refused: --num-experts (mixture-of-experts models are not "
+                                                    "supported by ab); --moe-router-topk (mixture-of-experts"),
+    ({"--fp16": True}, "refused: --fp16 (ab runs bf16 or fp32)"),
+    ({"--ckpt-format": "torch"}, "--ckpt-format torch: ab loads torch_dist checkpoints only"),
+    ({"--incoming-requests-per-sec": 10}, "--incoming-requests-per-sec > 0 draws random arrival times"),
+    ({"--inference-dynamic-batching-buffer-size-gb": 20}, "--inference-dynamic-batching-buffer-size-gb 20.0 would "
+                                                          "allocate that much CPU memory"),
+    ({"--prompts": None}, "no --prompts or --prompt-file"),
+    ({"--top_k": "many"}, "--top_k: 'many' is not a valid value"),
+])
+def test_refusals_name_the_argument(tmp_path, change, message):
+    args = {k: v for k, v in {**MODEL_ARGS, **change}.items() if v is not None}
+    with pytest.raises(CaseFileError) as error:
+        load_megatron_case(write(tmp_path, args), environ={"CHECKPOINT_LOAD_PATH": "/c"})
+    assert message in str(error.value)
+
+
+def test_unset_variable_is_named_unless_the_argument_is_overridden(tmp_path):
+    path = write(tmp_path, MODEL_ARGS)
+    with pytest.raises(CaseFileError, match=r"--load uses \$\{CHECKPOINT_LOAD_PATH\}, which is not set"):
+        load_megatron_case(path, environ={})
+    args = {k: v for k, v in MODEL_ARGS.items() if not k.startswith("--tokenizer")}
+    mc = load_megatron_case(write(tmp_path, args), environ={}, load_given=True)
+    assert mc.load is None and dict(mc.ignored)["--load"] == "ab --load DIR given on the command line"
+
+
+def test_mode_other_than_inference_is_refused(tmp_path):
+    with pytest.raises(CaseFileError, match="MODE 'pretraining': ab runs inference cases only"):
+        load_megatron_case(write(tmp_path, MODEL_ARGS, mode="pretraining"))
+
+
+def test_cli_refuses_a_tokenizer_it_cannot_load_with_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CHECKPOINT_LOAD_PATH", str(tmp_path))
+    path = write(tmp_path, MODEL_ARGS)
+    assert cli.main(["ab", "--case", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tokenizer-type TikTokenizer" in err[0]
