@@ -97,14 +97,22 @@ def library_output(path: Optional[Path]) -> Iterator[LibraryOutput]:
     block leave it first, so their message and traceback reach the real stderr in full.
 
     Args:
-        path: the log file (created, truncated); ``None`` diverts nothing.
+        path: the log file (created, truncated); ``None`` diverts nothing (nor does a process
+            without file descriptors 1 and 2).
     """
-    if path is None:
+    saved: dict[int, int] = {}
+    try:
+        for fd in (1, 2) if path is not None else ():
+            saved[fd] = os.dup(fd)
+    except OSError:  # no file descriptor 1 or 2 (a daemon): nothing to divert
+        for copy in saved.values():
+            os.close(copy)
+        saved = {}
+    if not saved:
         yield LibraryOutput(None, sys.stdout, sys.stderr)
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
     real_out = os.fdopen(os.dup(saved[1]), "w", buffering=1, encoding="utf-8", errors="replace")
     real_err = os.fdopen(os.dup(saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
     log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
