@@ -98,3 +98,18 @@ def test_already_patched_and_foreign_trees_are_refused(tmp_path):
     target.write_text(target.read_text().replace("token_offset_range", "offsets"))
     with pytest.raises(SourcePatchError, match="does not apply .* nothing was changed"):
         patch_source(tree)
+
+
+def test_tree_inside_a_git_checkout_is_really_patched(tmp_path):
+    # the README's default: .venv inside the repository's work tree. git apply run there once
+    # skipped every path silently and reported success with nothing changed.
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    tree = pristine_tree(RELEASES[-1], tmp_path)
+    targets = sorted((tree / "megatron/core/inference/contexts").glob("*.py"))
+    before = {p: p.read_text() for p in targets}
+    results = patch_source(tree)
+    assert [r.state.value for r in results] == ["applied"] * len(results)
+    changed = sorted(p.name for p in targets if p.read_text() != before[p])
+    assert changed == ["dynamic_context.py", "kv_block_allocator.py"]
+    patch_source(tree, revert=True)
+    assert all(p.read_text() == before[p] for p in targets)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -142,7 +143,14 @@ def _git_apply(tree: Path, patch: Path, *flags: str) -> subprocess.CompletedProc
     git = shutil.which("git")
     if git is None:
         raise SourcePatchError("`git` is needed to apply source patches (git apply); install git")
-    return subprocess.run([git, "apply", *flags, str(patch)], cwd=tree, capture_output=True, text=True)
+    # git apply inside a git work tree applies paths relative to that repository's root and skips
+    # the rest silently (exit 0): a .venv inside a checkout would be "patched" with nothing
+    # changed. A ceiling at the tree's parent keeps git from finding an enclosing repository.
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tree.resolve().parent)}
+    env.pop("GIT_DIR", None)
+    env.pop("GIT_WORK_TREE", None)
+    return subprocess.run([git, "apply", *flags, str(patch.resolve())], cwd=tree, env=env,
+                          capture_output=True, text=True)
 
 
 def _applies(tree: Path, patch: Path, reverse: bool = False) -> bool:
