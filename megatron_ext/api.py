@@ -6,7 +6,7 @@ import threading
 
 from . import mcore
 from .env import flag, name_set
-from .errors import PatchRefusedError
+from .errors import MegatronExtError, PatchRefusedError
 from .patching import PatchResult, PatchState
 from .patches import ALL_PATCHES
 
@@ -25,7 +25,17 @@ def _env_force() -> bool:
 
 
 def _skipped() -> set[str]:
-    return name_set(SKIP_ENV)
+    """The patch names in ``MEGATRON_EXT_SKIP``.
+
+    Raises:
+        MegatronExtError: a name is not a patch (a typo would leave that patch applied, silently).
+    """
+    names = name_set(SKIP_ENV)
+    unknown = sorted(names - {patch.name for patch in ALL_PATCHES})
+    if unknown:
+        raise MegatronExtError(f"{SKIP_ENV} names {', '.join(unknown)}, which is not a patch; patches: "
+                               f"{', '.join(patch.name for patch in ALL_PATCHES)}")
+    return names
 
 
 def status(force: bool | None = None) -> list[PatchResult]:
@@ -35,15 +45,19 @@ def status(force: bool | None = None) -> list[PatchResult]:
         force: as for :func:`apply`; ``None`` reads ``MEGATRON_EXT_FORCE``.
 
     Returns:
-        One :class:`PatchResult` per patch with state APPLIED, APPLICABLE, NOT_NEEDED or REFUSED.
+        One :class:`PatchResult` per patch with state APPLIED, APPLICABLE, NOT_NEEDED or REFUSED,
+        or NOT_APPLIED for the patches named in ``MEGATRON_EXT_SKIP``.
 
     Raises:
         MegatronCoreNotFoundError: megatron-core is not importable.
+        MegatronExtError: ``MEGATRON_EXT_SKIP`` names something that is not a patch.
     """
     force = _env_force() if force is None else force
     version = mcore.installed_version()
+    skipped = _skipped()
     with _LOCK:
-        return [patch.plan(version, force) for patch in ALL_PATCHES]
+        return [patch.result(PatchState.NOT_APPLIED, f"skipped by {SKIP_ENV}") if patch.name in skipped
+                else patch.plan(version, force) for patch in ALL_PATCHES]
 
 
 def apply(force: bool | None = None, strict: bool = False) -> list[PatchResult]:
@@ -61,6 +75,7 @@ def apply(force: bool | None = None, strict: bool = False) -> list[PatchResult]:
     Raises:
         MegatronCoreNotFoundError: megatron-core is not importable.
         PatchRefusedError: with ``strict=True``, if any patch was refused; nothing is applied then.
+        MegatronExtError: ``MEGATRON_EXT_SKIP`` names something that is not a patch; nothing is applied.
     """
     force = _env_force() if force is None else force
     version = mcore.installed_version()

@@ -19,6 +19,9 @@ from .console import LibraryOutput, RunProgress, library_output, log_path, repor
 from .errors import MegatronExtError
 from .patching import PatchResult
 
+#: The narrowest report: below it rich folds every cell and the verdict into slivers.
+MIN_WIDTH = 40
+
 _STATE_STYLE = {
     "applied": "green",
     "applicable": "yellow",
@@ -94,6 +97,10 @@ def cmd_ab(args: argparse.Namespace) -> int:
               "with a case file, set 'samples' and 'num_tokens_to_generate' per request in it", file=sys.stderr)
         return 2
     if args.top_n_logprobs is not None:
+        if args.top_n_logprobs > case.model.vocab_size:
+            print(f"megatron-ext: error: --top-n-logprobs {args.top_n_logprobs} exceeds the model's vocabulary of "
+                  f"{case.model.vocab_size} tokens; ask for at most that many", file=sys.stderr)
+            return 2
         case = case.model_copy(update={"sampling": case.sampling.model_copy(
             update={"top_n_logprobs": args.top_n_logprobs})})
     checkpoint = None
@@ -302,10 +309,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _plot_possible(plot: Optional[str]) -> bool:
-    """Whether ``--plot`` can be honoured (matplotlib installed); prints the fix on stderr when not."""
-    if plot and importlib.util.find_spec("matplotlib") is None:
+    """Whether ``--plot`` can be honoured (matplotlib installed, a format it writes); prints the
+    fix on stderr when not. Checked before a run, so a long run is not lost to a bad file name."""
+    if not plot:
+        return True
+    if importlib.util.find_spec("matplotlib") is None:
         print("megatron-ext: error: --plot needs matplotlib, which is not installed; "
               "pip install 'megatron-ext[plot]' (or leave out --plot)", file=sys.stderr)
+        return False
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    suffix = Path(plot).suffix.lstrip(".").lower()
+    if suffix not in formats:
+        print(f"megatron-ext: error: --plot {plot}: matplotlib writes {', '.join(sorted(formats))}, not "
+              f"'{suffix or '(no extension)'}'; name the file e.g. delta.png", file=sys.stderr)
         return False
     return True
 
@@ -320,6 +338,13 @@ def cmd_patch_source(args: argparse.Namespace) -> int:
     for result in results:
         print(f"  {result.state.value:>15}  {result.patch}")
     return 0
+
+
+def _width(text: str) -> int:
+    value = int(text)
+    if value < MIN_WIDTH:
+        raise argparse.ArgumentTypeError(f"must be >= {MIN_WIDTH} columns (or left out), got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -353,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_status = sub.add_parser("status", help="show what each runtime patch would do here")
     p_status.add_argument("--json", action="store_true", help="machine-readable output")
     p_status.add_argument("--force", action="store_true", help="as MEGATRON_EXT_FORCE=1")
-    p_status.add_argument("--width", type=int, default=None, help="table width in columns")
+    p_status.add_argument("--width", type=_width, default=None, help="table width in columns (>= 40; default: the terminal's, or unbounded in a log)")
     p_status.set_defaults(func=cmd_status)
 
     p_ab = sub.add_parser(
@@ -391,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "(SamplingParams.top_n_logprobs) and compare them bit for bit")
     p_ab.add_argument("--list-cases", action="store_true", help="print the shipped case names")
     p_ab.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p_ab.add_argument("--width", type=int, default=None, help="table width in columns")
+    p_ab.add_argument("--width", type=_width, default=None, help="table width in columns (>= 40; default: the terminal's, or unbounded in a log)")
     _add_verbose_argument(p_ab)
     p_ab.set_defaults(func=cmd_ab)
 
@@ -430,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_soak.add_argument("--dump-case", metavar="PATH",
                         help="also write the generated case as YAML (runs with 'ab --case PATH')")
     p_soak.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p_soak.add_argument("--width", type=int, default=None, help="table width in columns")
+    p_soak.add_argument("--width", type=_width, default=None, help="table width in columns (>= 40; default: the terminal's, or unbounded in a log)")
     _add_verbose_argument(p_soak)
     p_soak.set_defaults(func=cmd_soak)
 
@@ -447,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_cmp.add_argument("--json", metavar="PATH", help="also write the comparison as JSON")
     p_cmp.add_argument("--plot", metavar="PNG", help="also plot |Δ log-prob| per step (matplotlib)")
     p_cmp.add_argument("--only-divergent", action="store_true", help="list only the requests that differ")
-    p_cmp.add_argument("--width", type=int, default=None, help="table width in columns")
+    p_cmp.add_argument("--width", type=_width, default=None, help="table width in columns (>= 40; default: the terminal's, or unbounded in a log)")
     p_cmp.set_defaults(func=cmd_compare)
 
     p_src = sub.add_parser(

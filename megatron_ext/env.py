@@ -1,7 +1,8 @@
 """Reading megatron-ext's ``MEGATRON_EXT_*`` environment variables (no torch, no megatron-core).
 
 ``MEGATRON_EXT_AUTO``, ``MEGATRON_EXT_FORCE`` and ``MEGATRON_EXT_QUIET`` are flags
-(:func:`flag`); ``MEGATRON_EXT_SKIP`` is a comma-separated list (:func:`name_set`). The ``.pth``
+(:func:`flag`); ``MEGATRON_EXT_SKIP`` is a comma-separated list (:func:`name_set`);
+``MEGATRON_EXT_DIST_TIMEOUT_S`` is a number of seconds (:func:`seconds`). The ``.pth``
 start-up line parses ``MEGATRON_EXT_AUTO`` the same way without importing anything.
 """
 
@@ -21,3 +22,23 @@ def flag(name: str) -> bool:
 def name_set(name: str) -> set[str]:
     """The comma-separated names in the environment variable ``name``, blanks and empty items dropped."""
     return {item.strip() for item in os.environ.get(name, "").split(",") if item.strip()}
+
+
+def seconds(name: str, default: float) -> float:
+    """The environment variable ``name`` as a positive number of seconds, ``default`` when unset.
+
+    Raises:
+        MegatronExtError: it is set to something that is not a positive number (named, with the fix).
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        from .errors import MegatronExtError
+
+        raise MegatronExtError(f"{name}={text!r} is not a positive number of seconds; set it to e.g. 120 or unset it")
+    return value

@@ -315,3 +315,10 @@ def test_import_auto_applies():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "matched-block-writes"
     assert "megatron-ext: matched-block-writes: applied" in done.stderr
+
+
+def test_status_shows_the_patches_skip_leaves_out(monkeypatch):
+    monkeypatch.setenv("MEGATRON_EXT_SKIP", "matched-block-writes")
+    states = {r.patch: (r.state.value, r.reason) for r in megatron_ext.status()}
+    assert states["matched-block-writes"] == ("not applied", "skipped by MEGATRON_EXT_SKIP")
+    assert states["release-refcount"][0] in ("applicable", "not needed", "applied")

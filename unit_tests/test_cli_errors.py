@@ -68,3 +68,42 @@ def test_parallel_size_below_one_is_an_argument_error(flag, capsys):
         cli.main(["ab", flag, "0"])
     assert exit_.value.code == 2
     assert f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ab", "--width", "5"], "argument --width: must be >= 40 columns (or left out), got 5"),
+    (["compare", "a.json", "b.json", "--width", "0"], "argument --width: must be >= 40 columns (or left out), got 0"),
+])
+def test_width_below_forty_is_an_argument_error(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(args)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plot_in_a_format_matplotlib_cannot_write_exits_2_before_running(tmp_path, nothing_runs, capsys):
+    assert cli.main(["ab", "--plot", str(tmp_path / "delta.txt"), "--no-progress"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"megatron-ext: error: --plot {tmp_path / 'delta.txt'}: matplotlib writes ")
+    assert "png" in line and line.endswith("not 'txt'; name the file e.g. delta.png")
+
+
+def test_top_n_above_the_vocabulary_exits_2_before_running(nothing_runs, capsys):
+    assert cli.main(["ab", "--top-n-logprobs", "100000", "--no-progress"]) == 2
+    assert one_error_line(capsys) == ("megatron-ext: error: --top-n-logprobs 100000 exceeds the model's vocabulary "
+                                      "of 257 tokens; ask for at most that many")
+
+
+def test_dist_timeout_that_is_not_a_number_exits_2(monkeypatch, capsys):
+    monkeypatch.setenv("MEGATRON_EXT_DIST_TIMEOUT_S", "abc")
+    monkeypatch.setattr(ab, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    assert cli.main(["ab", "--no-progress", "--verbose"]) == 2
+    assert one_error_line(capsys) == ("megatron-ext: error: MEGATRON_EXT_DIST_TIMEOUT_S='abc' is not a positive "
+                                      "number of seconds; set it to e.g. 120 or unset it")
+
+
+def test_skip_naming_no_patch_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("MEGATRON_EXT_SKIP", "lru-resume-evictable,bogus")
+    assert cli.main(["status"]) == 2
+    assert one_error_line(capsys).startswith("megatron-ext: error: MEGATRON_EXT_SKIP names bogus, which is not a "
+                                             "patch; patches: release-refcount, ")

@@ -118,3 +118,9 @@ def test_runs_of_other_request_ids_are_refused(tmp_path):
     (x, y), *_ = pair_runs(str(a), str(b))
     with pytest.raises(RecordedRunError, match=r"request IDs only in A \[7\], only in B \[8\]"):
         compare_recorded(x, y)
+
+
+def test_file_with_an_unknown_run_name_blames_the_run(tmp_path):
+    a = ab_json(tmp_path / "a.json")
+    with pytest.raises(RecordedRunError, match=r"a.json:bogus: 'bogus' is not a run; name one of off, ref_zero, lru"):
+        parse_spec(f"{a}:bogus")

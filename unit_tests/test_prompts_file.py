@@ -28,7 +28,8 @@ def test_jsonl_lines_override_the_command_line_defaults(tmp_path):
 @pytest.mark.parametrize("line, problem", [
     ('{"prompt": "a", "temperature": 0.5}', "line 2: unknown key(s) temperature; a line may have prompt, samples, "
                                             "num_tokens_to_generate, arrival_step"),
-    ('{"text": "a"}', 'line 2: expected a JSON object with a "prompt"'),
+    ('{"promt": "a"}', "line 2: unknown key(s) promt; a line may have prompt, samples"),
+    ('{"samples": 2}', 'line 2: expected a JSON object with a "prompt"'),
     ('["a"]', 'line 2: expected a JSON object with a "prompt"'),
     ('{"prompt": "a",}', "line 2: not JSON (Expecting property name enclosed in double quotes)"),
     ('{"prompt": "a", "samples": 0}', "line 2: field 'samples': Input should be greater than or equal to 1"),

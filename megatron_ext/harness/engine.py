@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .. import mcore
+from .. import env, mcore
 from .cases import Case
 from .tokenizer import ByteTokenizer
 
@@ -32,9 +32,10 @@ def ensure_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_pa
     Raises:
         RuntimeError: the world size does not fit the requested TP x PP layout, or the parallel
             state was already initialized with another layout.
+        MegatronExtError: ``MEGATRON_EXT_DIST_TIMEOUT_S`` is not a positive number.
     """
     dist = torch.distributed
-    timeout = datetime.timedelta(seconds=float(os.environ.get("MEGATRON_EXT_DIST_TIMEOUT_S", "300")))
+    timeout = datetime.timedelta(seconds=env.seconds("MEGATRON_EXT_DIST_TIMEOUT_S", 300.0))
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
             dist.init_process_group("gloo", timeout=timeout)

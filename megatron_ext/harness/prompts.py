@@ -106,10 +106,12 @@ def _jsonl_fields(path: Path, number: int, line: str) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise PromptFileError(f"{path}: line {number}: not JSON ({exc.msg}); write one JSON object per "
                               "line, e.g. {\"prompt\": \"...\"}") from None
-    if not isinstance(fields, dict) or "prompt" not in fields:
+    if not isinstance(fields, dict):
         raise PromptFileError(f"{path}: line {number}: expected a JSON object with a \"prompt\"")
     unknown = sorted(set(fields) - set(PROMPT_KEYS))
     if unknown:
         raise PromptFileError(f"{path}: line {number}: unknown key(s) {', '.join(unknown)}; a line may "
                               f"have {', '.join(PROMPT_KEYS)}")
+    if "prompt" not in fields:
+        raise PromptFileError(f"{path}: line {number}: expected a JSON object with a \"prompt\"")
     return fields

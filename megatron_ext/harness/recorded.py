@@ -64,11 +64,22 @@ class RunComparison:
                 "requests": [d.as_dict() for d in self.diffs]}
 
 
+#: The run names of an ab/soak file.
+RUN_NAMES = (CACHING_OFF, "ref_zero", "lru")
+
+
 def parse_spec(spec: str) -> tuple[Path, Optional[str]]:
-    """``FILE`` or ``FILE:RUN`` (RUN: ``off``, ``ref_zero``, ``lru``) -> (path, run or None)."""
+    """``FILE`` or ``FILE:RUN`` (RUN: ``off``, ``ref_zero``, ``lru``) -> (path, run or None).
+
+    Raises:
+        RecordedRunError: ``FILE:RUN`` where FILE exists and RUN is not a run name.
+    """
     path, sep, run = spec.rpartition(":")
-    if sep and run in (CACHING_OFF, "ref_zero", "lru"):
+    if sep and run in RUN_NAMES:
         return Path(path), run
+    if sep and not Path(spec).exists() and Path(path).is_file():
+        raise RecordedRunError(f"{spec}: '{run}' is not a run; name one of {', '.join(RUN_NAMES)} "
+                               f"(e.g. {path}:{CACHING_OFF})")
     return Path(spec), None
 
 
