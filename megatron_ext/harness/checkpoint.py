@@ -440,10 +440,10 @@ def load_checkpoint(model: Any, checkpoint: Union[PathLike, CheckpointSource], c
     return source
 
 
-def save_checkpoint(model: Any, directory: PathLike) -> Path:
+def save_checkpoint(model: Any, directory: PathLike, common: Optional[dict] = None) -> Path:
     """Save ``model`` as a megatron-core distributed checkpoint (``torch_dist``).
 
-    Calls ``dist_checkpointing.save({"model": model.sharded_state_dict()}, directory)``: each
+    Calls ``dist_checkpointing.save({"model": model.sharded_state_dict(), **common}, directory)``: each
     tensor is stored once with its global shape (TP shards and pipeline stages written by the
     ranks that own them), so it loads at any TP/PP layout. Every rank of a torchrun job must call
     it. megatron-core's writer needs ``psutil`` and starts a ``multiprocessing`` manager
@@ -453,6 +453,8 @@ def save_checkpoint(model: Any, directory: PathLike) -> Path:
     Args:
         model: a megatron-core ``GPTModel`` (e.g. :func:`megatron_ext.harness.engine.build_model`).
         directory: created if missing; must be empty.
+        common: non-tensor entries stored in the checkpoint's common state, e.g. Megatron-LM's
+            ``{"args": Namespace, "iteration": int, "checkpoint_version": 3.0}`` (None: none).
 
     Returns:
         ``directory`` as a Path (it then holds ``metadata.json``, ``.metadata``, ``*.distcp``).
@@ -478,5 +480,44 @@ def save_checkpoint(model: Any, directory: PathLike) -> Path:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     serialization = mcore.import_module(f"{_DIST_CHECKPOINTING}.serialization")
-    serialization.save({MODEL_KEY: model.sharded_state_dict()}, str(target))
+    serialization.save({MODEL_KEY: model.sharded_state_dict(), **(common or {})}, str(target))
+    return target
+
+
+def save_megatron_lm_checkpoint(model: Any, directory: PathLike, args: Any, iteration: int) -> Path:
+    """Save ``model`` the way Megatron-LM's training loop saves: ``directory/iter_NNNNNNN/`` (a
+    :func:`save_checkpoint` with ``args``, ``iteration`` and ``checkpoint_version`` 3.0 in the
+    common state) and ``directory/latest_checkpointed_iteration.txt`` naming it, so ``ab --load
+    directory`` and Megatron-LM's ``--load directory`` both read it. Every rank must call it.
+
+    Args:
+        model: a megatron-core ``GPTModel``.
+        directory: the save directory; created if missing, must be empty.
+        args: Megatron-LM's training arguments (e.g.
+            :func:`megatron_ext.harness.checkpoint_args.megatron_lm_args`).
+        iteration: the training iteration, >= 1 (Megatron-LM refuses a tracker naming 0).
+
+    Returns:
+        The ``iter_NNNNNNN`` directory.
+
+    Raises:
+        CheckpointError: ``iteration`` < 1; ``directory`` is a file or not empty; see
+            :func:`save_checkpoint`.
+    """
+    if iteration < 1:
+        raise CheckpointError(f"--iteration {iteration}: Megatron-LM reads only iterations >= 1 from "
+                              f"{TRACKER_FILE}; pass 1 or more")
+    root = Path(directory).expanduser()
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"{root} is a file; pass a new or empty directory to save into")
+    problem = _first_on_any_rank(f"{root} is not empty; pass a new or empty directory to save into"
+                                 if root.is_dir() and any(root.iterdir()) else None)
+    if problem:
+        raise CheckpointError(problem)
+    target = save_checkpoint(model, root / f"iter_{iteration:07d}",
+                             {"args": args, "iteration": iteration, "checkpoint_version": 3.0})
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        (root / TRACKER_FILE).write_text(f"{iteration}\n")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
     return target
