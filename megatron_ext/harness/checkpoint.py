@@ -323,7 +323,8 @@ def _shape_problem(tensors: list, stored: dict, path: str, built: str) -> Option
     shape (padded-vocabulary tensors, ``allow_shape_mismatch``, may differ in axis 0 only).
     """
     fix = ("build the model the checkpoint was saved from: pass a --case whose model section "
-           f"matches it{_suggest(stored)}")
+           f"matches it{_suggest(stored)}, or one without a model section when the checkpoint stores "
+           "Megatron-LM args")
     for tensor in tensors:
         saved = stored.get(tensor.key)
         if saved is None:
@@ -419,7 +420,8 @@ def load_checkpoint(model: Any, checkpoint: Union[PathLike, CheckpointSource], c
     if problem is None and extra:
         problem = (f"architecture mismatch: checkpoint {source.path} has {len(extra)} tensor(s) "
                    f"that {built} lacks, first '{extra[0]}' (another layer spec or architecture); build the model "
-                   "the checkpoint was saved from: pass a --case whose model section matches it")
+                   "the checkpoint was saved from: pass a --case whose model section matches it, or one "
+                   "without a model section when the checkpoint stores Megatron-LM args")
     problem = _first_on_any_rank(problem)
     if problem is not None:
         raise CheckpointError(f"--load {source.requested}: {problem}")
