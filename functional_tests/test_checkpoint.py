@@ -117,12 +117,15 @@ def test_tp1_ab_load_generates_the_saved_models_tokens(saved_s1, tmp_path, capfd
 
 @pytest.fixture(scope="module")
 def saved_tp2(tmp_path_factory, torchrun) -> Path:
-    """The seed-S1 model saved on 2 ranks with TP=2 (torchrun ``save-checkpoint``)."""
+    """The seed-S1 model saved on 2 ranks with TP=2 (torchrun ``save-checkpoint``): a Megatron-LM
+    save directory, ``ckpt/iter_0000001`` + ``ckpt/latest_checkpointed_iteration.txt``."""
     path = tmp_path_factory.mktemp("tp2") / "ckpt"
     code, output = torchrun.run(2, ["save-checkpoint", str(path), "--case", CASE, "--seed", str(S1),
                                 "--tensor-model-parallel-size", "2"], label="save-checkpoint TP=2")
     assert code == 0, torchrun.tail(output)
     assert "TP=2 PP=1" in output
+    assert (path / "latest_checkpointed_iteration.txt").read_text() == "1\n"
+    assert (path / "iter_0000001" / "metadata.json").is_file()
     return path
 
 
@@ -136,8 +139,10 @@ def loaded_at_tp2(saved_tp2, tmp_path_factory, torchrun) -> tuple[int, str, dict
 def test_tp2_checkpoint_loads_at_tp2_through_ab(saved_tp2, loaded_at_tp2, torchrun):
     code, output, result = loaded_at_tp2
     torchrun.assert_clean(2, 1, code, output, result)
-    assert result["weights"]["path"] == str(saved_tp2)
-    assert f"weights: checkpoint {saved_tp2}, torch_dist" in output
+    assert result["weights"]["path"] == str(saved_tp2 / "iter_0000001")
+    assert result["weights"]["iteration"] == 1
+    assert (f"weights: checkpoint {saved_tp2 / 'iter_0000001'} (iteration 1, resolved from "
+            f"{saved_tp2 / 'latest_checkpointed_iteration.txt'}), torch_dist") in " ".join(output.split())  # rich wraps long lines
 
 
 @pytest.mark.slow
@@ -150,7 +155,7 @@ def test_tp2_checkpoint_loads_at_tp1(saved_tp2, loaded_at_tp2, tmp_path, capfd):
     before = parameters(model)
     with cpu_backend():
         load_checkpoint(model, saved_tp2, CASE)
-        stored = load_plain_tensors(str(saved_tp2))  # the global tensors the 2 ranks wrote
+        stored = load_plain_tensors(str(saved_tp2 / "iter_0000001"))  # the global tensors the 2 ranks wrote
         shards = [t for t in nested_values(model.sharded_state_dict()) if isinstance(t, ShardedTensor)]
     assert stored["embedding.word_embeddings.weight"].shape == (258, 64)  # vocab padded for TP=2
     checked = 0

@@ -224,15 +224,18 @@ def _layout_fits(tp: int, pp: int, command: str) -> bool:
 
 
 def cmd_save_checkpoint(args: argparse.Namespace) -> int:
-    """Save the case's seeded model as a megatron-core distributed checkpoint (torch_dist).
+    """Save the case's seeded model as a megatron-core distributed checkpoint (torch_dist) in
+    Megatron-LM's layout (``DIR/iter_NNNNNNN`` + ``latest_checkpointed_iteration.txt``), with
+    Megatron-LM's training arguments of the model in its common state.
 
     The model is built exactly as ``ab`` builds it (same case model section, same seed unless
     ``--seed``), on CPU ranks; under torchrun each rank writes its TP/PP shards.
     """
     from .cpu_backend import cpu_backend
     from .harness.cases import load_case
-    from .harness.checkpoint import save_checkpoint
-    from .harness.engine import build_model, ensure_model_parallel
+    from .harness.checkpoint import save_megatron_lm_checkpoint
+    from .harness.checkpoint_args import megatron_lm_args
+    from .harness.engine import build_model, ensure_model_parallel, padded_vocab_size
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if not _layout_fits(tp, pp, "save-checkpoint"):
@@ -240,16 +243,19 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
     case = load_case(args.case)
     if args.seed is not None:
         case = case.model_copy(update={"model": case.model.model_copy(update={"seed": args.seed})})
+    training_args = megatron_lm_args(case.model, padded_vocab_size(case.model.vocab_size, tp), tp, pp)
     with library_output(_library_log(args, "save-checkpoint")) as output, cpu_backend():
         ensure_model_parallel(tp, pp)
         model = build_model(case)
-        path = save_checkpoint(model, args.directory)
+        path = save_megatron_lm_checkpoint(model, args.directory, training_args, args.iteration)
     if _world()[0] == 0:
         for note in _log_notes(output):
             print(note)
         print(f"saved the model of case '{case.name}' (seed {case.model.seed}, "
-              f"{case.model.params_dtype}, TP={tp} PP={pp}) to {path} (torch_dist); "
-              f"use it with: megatron-ext ab --case {args.case} --load {path}")
+              f"{case.model.params_dtype}, TP={tp} PP={pp}) to {path} (torch_dist, iteration "
+              f"{args.iteration}, Megatron-LM args in its common state); use it with: "
+              f"megatron-ext ab --case {args.case} --load {args.directory} (or a case without a model "
+              "section: the model from the checkpoint's args)")
     return 0
 
 
@@ -400,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="load the weights from a Megatron distributed checkpoint (torch_dist) or a "
                       "Megatron-LM save directory (latest_checkpointed_iteration.txt -> iter_NNNNNNN/) "
                       "after building the case's model; its model section must match the checkpoint. "
+                      "A case without a model section builds the model from the checkpoint's Megatron-LM "
+                      "args (as Megatron's --use-checkpoint-args); arguments it cannot build exit 2. "
                       "Any TP/PP layout loads any other (dist-checkpointing reshards)")
     p_ab.add_argument("--prompts", metavar="FILE",
                       help="run these prompts instead of the case's requests: JSON Lines (.jsonl: "
@@ -423,14 +431,19 @@ def build_parser() -> argparse.ArgumentParser:
     p_save = sub.add_parser(
         "save-checkpoint", help="save the case's seeded model as a Megatron distributed checkpoint",
         description="Builds the model exactly as 'ab' does (the case's model section and seed) and "
-        "saves it with megatron-core's dist_checkpointing.save (torch_dist format) into DIR (new or "
-        "empty), e.g. a fixture for 'ab --load DIR'. Multi-rank: 'torchrun --nproc-per-node T*P -m "
+        "saves it with megatron-core's dist_checkpointing.save (torch_dist format) in Megatron-LM's "
+        "layout: DIR (new or empty)/iter_NNNNNNN with Megatron-LM's training arguments (args, "
+        "iteration, checkpoint_version) in its common state, and DIR/latest_checkpointed_iteration.txt; "
+        "'ab --load DIR' (with a case without a model section: the model from those args) and "
+        "Megatron-LM's --load DIR read it. Multi-rank: 'torchrun --nproc-per-node T*P -m "
         "megatron_ext save-checkpoint DIR --tensor-model-parallel-size T "
         "--pipeline-model-parallel-size P'. Needs psutil (megatron-core's writer).")
     p_save.add_argument("directory", metavar="DIR", help="where to save (created; must be empty)")
     p_save.add_argument("--case", default="rl_rollouts",
                         help="shipped case name or case YAML whose model is saved (default: rl_rollouts)")
     p_save.add_argument("--seed", type=int, default=None, help="weights seed (default: the case's model.seed)")
+    p_save.add_argument("--iteration", type=_positive_int, default=1, metavar="N",
+                        help="training iteration recorded: DIR/iter_NNNNNNN and the tracker file (default: 1)")
     _add_layout_arguments(p_save)
     _add_verbose_argument(p_save)
     p_save.set_defaults(func=cmd_save_checkpoint)

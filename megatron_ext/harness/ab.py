@@ -19,7 +19,8 @@ from ..api import apply, revert
 from ..errors import DeviceUnavailableError
 from .audits import FAULT_OF_KIND
 from .cases import Case, PlannedRequest, plan_requests, validate_planned
-from .checkpoint import CheckpointSource, PathLike, load_checkpoint
+from .checkpoint import CheckpointSource, PathLike, load_checkpoint, resolve_checkpoint
+from .checkpoint_args import checkpoint_model_spec
 from .compare import RequestDiff, RequestOutput, compare_runs
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .engine import build_engine, build_model, ensure_model_parallel
@@ -70,18 +71,23 @@ class ABResult:
     #: ``{"request_id", "label", "prompt_length", "prompt_sha256"}`` (SHA-256 of the prompt's
     #: token IDs as little-endian int64)
     requests: list[dict] = field(default_factory=list)
+    #: the model was built from the checkpoint's Megatron-LM args (the case had no model section)
+    model_from_checkpoint_args: bool = False
 
     def weights(self) -> dict[str, Any]:
         """Where the weights came from: ``{"source": "checkpoint", "requested", "path",
-        "iteration", "backend"}`` or ``{"source": "seeded random", "seed"}``."""
+        "iteration", "backend"}`` (plus ``"model": "checkpoint args"`` when the model was built
+        from them) or ``{"source": "seeded random", "seed"}``."""
         if self.checkpoint is not None:
-            return {"source": "checkpoint", **self.checkpoint.as_json()}
+            extra = {"model": "checkpoint args"} if self.model_from_checkpoint_args else {}
+            return {"source": "checkpoint", **self.checkpoint.as_json(), **extra}
         return {"source": "seeded random", "seed": self.case.model.seed}
 
     def describe_weights(self) -> str:
         """One line for the report."""
         if self.checkpoint is not None:
-            return f"weights: checkpoint {self.checkpoint.describe()}"
+            built = "; model built from its Megatron-LM args" if self.model_from_checkpoint_args else ""
+            return f"weights: checkpoint {self.checkpoint.describe()}{built}"
         return f"weights: seeded random (seed {self.case.model.seed}; --load DIR to use a checkpoint)"
 
     @property
@@ -262,17 +268,26 @@ def run_ab(
             layout (under torchrun; every rank calls run_ab and gets every rank's verdict).
         load: a Megatron distributed checkpoint (or Megatron-LM save directory) loaded into the
             model after it is built from ``case.model`` and before any engine run; A and B both
-            use these weights (:func:`megatron_ext.harness.checkpoint.load_checkpoint`).
+            use these weights (:func:`megatron_ext.harness.checkpoint.load_checkpoint`). When the
+            case has no ``model`` section (``"model" not in case.model_fields_set``) and the
+            checkpoint stores Megatron-LM ``args``, the model is built from them instead
+            (:func:`megatron_ext.harness.checkpoint_args.checkpoint_model_spec`; the result's
+            ``case.model`` is that model).
         on_run: called with each run's :class:`RunRecord` when it ends (progress lines in logs).
 
     Raises:
         MegatronCoreNotFoundError, CaseFileError (prompt too long or empty), WorkloadError (see
         :func:`megatron_ext.harness.cases.validate_planned`), CheckpointError (``load``: missing, not a
-        checkpoint, architecture mismatch), EngineStuckError, RuntimeError;
+        checkpoint, architecture mismatch, args the harness cannot build), EngineStuckError, RuntimeError;
         multi-rank: RankFailedError when megatron-core raised mid-run on this rank (the ranks are
         out of lockstep then; single-rank runs record the error in the result instead).
     """
     started = time.perf_counter()
+    from_args = False
+    if load is not None:  # resolved (and a model from its args read) before anything is built
+        load = load if isinstance(load, CheckpointSource) else resolve_checkpoint(load)
+        built_for = _case_for_checkpoint(case, load)
+        case, from_args = built_for, built_for is not case
     planned = plan_requests(case, ByteTokenizer())
     validate_planned(planned)  # bad input is refused before anything is built
     patch_results = apply() if patched else revert()
@@ -284,13 +299,25 @@ def run_ab(
         baseline = _one_run(model, case, planned, False, case.prefix_caching_eviction_policies[0], on_step,
                             on_run)
         result = ABResult(case, mcore.installed_version(), device, patches, invariance, baseline,
-                          checkpoint=checkpoint, requests=[_request_json(r) for r in planned])
+                          checkpoint=checkpoint, requests=[_request_json(r) for r in planned],
+                          model_from_checkpoint_args=from_args)
         for policy in case.prefix_caching_eviction_policies:
             run = _one_run(model, case, planned, True, policy, on_step, on_run)
             result.policies.append(PolicyResult(policy, run, compare_runs(baseline.outputs, run.outputs)))
     result.ranks = gather_ranks(result)
     result.wall_s = time.perf_counter() - started
     return result
+
+
+def _case_for_checkpoint(case: Case, source: CheckpointSource) -> Case:
+    """``case`` with the model the checkpoint's Megatron-LM args describe, when the case has no
+    ``model`` section and the checkpoint has args; otherwise ``case`` unchanged."""
+    if "model" in case.model_fields_set:
+        return case
+    spec = checkpoint_model_spec(source, case.model)
+    if spec is None:
+        return case
+    return case.model_copy(update={"model": spec})
 
 
 def _one_run(model, case, planned, prefix_caching, policy, on_step, on_run) -> RunRecord:

@@ -22,11 +22,15 @@ prints one line and exits 2), raised before the model is changed and before any 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import pickle
 import re
+import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -176,12 +180,138 @@ def _not_a_checkpoint(shown: str, directory: Path) -> str:
 
 
 def _model_sharded_tensors(model: Any) -> tuple[dict, list]:
-    """``(sharded_state_dict, [ShardedTensor, ...])`` of ``model``, in state-dict order."""
+    """``(sharded_state_dict, [ShardedTensor, ...])`` of ``model``, in state-dict order.
+
+    The ShardedTensors are those of a second ``sharded_state_dict()`` whose factories
+    (``ShardedTensorFactory``, e.g. SwiGLU's ``linear_fc1``) megatron-core's ``apply_factories``
+    has expanded, so the architecture check sees every stored tensor; the returned state dict
+    keeps its factories for ``dist_checkpointing.load``.
+    """
     dict_utils = mcore.import_module(f"{_DIST_CHECKPOINTING}.dict_utils")
     mapping = mcore.import_module(f"{_DIST_CHECKPOINTING}.mapping")
     sharded = model.sharded_state_dict()
-    tensors = [v for v in dict_utils.nested_values(sharded) if isinstance(v, mapping.ShardedTensor)]
+    expanded = model.sharded_state_dict()
+    mapping.apply_factories(expanded)
+    tensors = [v for v in dict_utils.nested_values(expanded) if isinstance(v, mapping.ShardedTensor)]
     return sharded, tensors
+
+
+#: Globals the restricted reader of a checkpoint's common state rebuilds as themselves; any other
+#: global becomes an :class:`UnloadedObject` (nothing named in the file is called).
+_COMMON_STATE_GLOBALS = frozenset({
+    ("argparse", "Namespace"), ("types", "SimpleNamespace"), ("pathlib", "PosixPath"),
+    ("pathlib", "Path"), ("collections", "OrderedDict"), ("builtins", "set"),
+    ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
+    ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
+    ("torch.storage", "UntypedStorage"), ("torch", "Size"),
+} | {("torch", name) for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32",
+                                   "int16", "int8", "uint8", "bool", "FloatStorage", "LongStorage",
+                                   "ByteStorage", "BFloat16Storage", "HalfStorage")})
+
+
+class UnloadedObject:
+    """Stands in, in a checkpoint's common state, for an object of a class the restricted reader
+    does not rebuild (e.g. an enum of a newer megatron-core): ``name`` is its ``module.qualname``,
+    ``args`` what it would have been called with, ``state`` its pickled state (or None)."""
+
+    def __init__(self, name: str, args: tuple = ()):
+        self.name, self.args, self.state = name, args, None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<not loaded: {self.name}{self.args!r}>"
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _COMMON_STATE_GLOBALS:
+            return super().find_class(module, name)
+        return lambda *args: UnloadedObject(f"{module}.{name}", args)
+
+
+#: ``pickle_module`` for ``torch.load``: the restricted unpickler above.
+_restricted_pickle = types.SimpleNamespace(Unpickler=_RestrictedUnpickler, load=pickle.load,
+                                           __name__="megatron_ext_restricted_pickle")
+
+
+def _torch_load_common(buffer: io.BytesIO, where: str) -> Any:
+    """``torch.load`` of common-state bytes: ``weights_only=True`` (megatron-core's safe globals)
+    first; if the file holds a global outside that list (a class the installed release lacks),
+    the restricted unpickler, which calls nothing named in the file."""
+    try:
+        return torch.load(buffer, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        buffer.seek(0)
+    try:
+        return torch.load(buffer, map_location="cpu", weights_only=False, pickle_module=_restricted_pickle)
+    except Exception as exc:  # noqa: BLE001 - a damaged or foreign file
+        raise CheckpointError(f"cannot read the common state of {where} ({type(exc).__name__}: "
+                              f"{exc}); the save did not finish or the file is damaged") from None
+
+
+def read_common_state(path: PathLike) -> dict:
+    """The common (non-sharded) state of a distributed checkpoint directory, e.g. Megatron-LM's
+    ``{"args": Namespace, "iteration": int, "checkpoint_version": float, ...}``, read on CPU
+    without a model or a process group.
+
+    Both layouts are read under every supported release: ``common.pt`` (megatron-core 0.17 and
+    0.18 write it) and the ``common_state`` object inside the ``*.distcp`` files (0.19 writes
+    that; 0.17 and 0.18's own reader cannot read it), the latter through
+    ``torch.distributed.checkpoint``. Objects are rebuilt with ``torch.load(weights_only=True)``;
+    objects of classes outside megatron-core's safe globals (e.g. enums of a newer release)
+    come back as :class:`UnloadedObject`, nothing in the file is executed.
+
+    Args:
+        path: the distributed checkpoint directory (holding ``metadata.json``).
+
+    Raises:
+        CheckpointError: neither layout is present, or the state cannot be unpickled.
+    """
+    mcore.import_module("megatron.core")  # registers megatron-core's safe globals for weights_only
+    mapping = mcore.import_module(f"{_DIST_CHECKPOINTING}.mapping")
+    directory = str(path)
+    legacy = os.path.join(directory, "common.pt")
+    if os.path.isfile(legacy):
+        with open(legacy, "rb") as handle:
+            return _torch_load_common(io.BytesIO(handle.read()), legacy)
+    dcp = torch.distributed.checkpoint
+    key = mapping.ShardedObject("common_state", None, (1,), (0,)).unique_key
+    try:
+        reader = dcp.FileSystemReader(directory)
+        present = key in reader.read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - no or damaged .metadata
+        raise CheckpointError(f"cannot read the index (.metadata) of {directory} "
+                              f"({type(exc).__name__}: {exc}); save it again") from None
+    if not present:
+        raise CheckpointError(f"{directory} holds no common state (no common.pt and no '{key}' "
+                              "object in its .distcp files); save it again with megatron-core")
+    buffer = {key: io.BytesIO()}
+    dcp.load(buffer, storage_reader=reader, no_dist=True)
+    loaded = buffer[key]
+    if isinstance(loaded, io.BytesIO):
+        loaded.seek(0)
+        loaded = _torch_load_common(loaded, f"{directory} ('{key}')")
+    return loaded[0]
+
+
+@contextlib.contextmanager
+def _common_state_through_megatron_ext(serialization: Any) -> Iterator[None]:
+    """While loading: the common-state reader(s) ``dist_checkpointing.load`` calls by module name
+    (``load_common`` in 0.17/0.18, ``load_common_state_dict`` in 0.19) read through
+    :func:`read_common_state`, so a checkpoint of another release's layout, or whose args hold
+    classes the installed release lacks, loads."""
+    names = [n for n in ("load_common", "load_common_state_dict")
+             if n in serialization.load.__code__.co_names and hasattr(serialization, n)]
+    originals = {n: getattr(serialization, n) for n in names}
+    for name in names:
+        setattr(serialization, name, read_common_state)
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(serialization, name, original)
 
 
 def _shape_problem(tensors: list, stored: dict, path: str, built: str) -> Optional[str]:
@@ -193,7 +323,8 @@ def _shape_problem(tensors: list, stored: dict, path: str, built: str) -> Option
     shape (padded-vocabulary tensors, ``allow_shape_mismatch``, may differ in axis 0 only).
     """
     fix = ("build the model the checkpoint was saved from: pass a --case whose model section "
-           f"matches it{_suggest(stored)}")
+           f"matches it{_suggest(stored)}, or one without a model section when the checkpoint stores "
+           "Megatron-LM args")
     for tensor in tensors:
         saved = stored.get(tensor.key)
         if saved is None:
@@ -289,12 +420,14 @@ def load_checkpoint(model: Any, checkpoint: Union[PathLike, CheckpointSource], c
     if problem is None and extra:
         problem = (f"architecture mismatch: checkpoint {source.path} has {len(extra)} tensor(s) "
                    f"that {built} lacks, first '{extra[0]}' (another layer spec or architecture); build the model "
-                   "the checkpoint was saved from: pass a --case whose model section matches it")
+                   "the checkpoint was saved from: pass a --case whose model section matches it, or one "
+                   "without a model section when the checkpoint stores Megatron-LM args")
     problem = _first_on_any_rank(problem)
     if problem is not None:
         raise CheckpointError(f"--load {source.requested}: {problem}")
     try:
-        loaded = serialization.load({MODEL_KEY: sharded}, source.path)
+        with _common_state_through_megatron_ext(serialization):
+            loaded = serialization.load({MODEL_KEY: sharded}, source.path)
     except Exception as exc:  # noqa: BLE001 - megatron-core / torch.distributed.checkpoint
         raise CheckpointError(f"--load {source.requested}: megatron-core could not read "
                               f"{source.path}: {type(exc).__name__}: {exc}") from exc
@@ -309,10 +442,10 @@ def load_checkpoint(model: Any, checkpoint: Union[PathLike, CheckpointSource], c
     return source
 
 
-def save_checkpoint(model: Any, directory: PathLike) -> Path:
+def save_checkpoint(model: Any, directory: PathLike, common: Optional[dict] = None) -> Path:
     """Save ``model`` as a megatron-core distributed checkpoint (``torch_dist``).
 
-    Calls ``dist_checkpointing.save({"model": model.sharded_state_dict()}, directory)``: each
+    Calls ``dist_checkpointing.save({"model": model.sharded_state_dict(), **common}, directory)``: each
     tensor is stored once with its global shape (TP shards and pipeline stages written by the
     ranks that own them), so it loads at any TP/PP layout. Every rank of a torchrun job must call
     it. megatron-core's writer needs ``psutil`` and starts a ``multiprocessing`` manager
@@ -322,6 +455,8 @@ def save_checkpoint(model: Any, directory: PathLike) -> Path:
     Args:
         model: a megatron-core ``GPTModel`` (e.g. :func:`megatron_ext.harness.engine.build_model`).
         directory: created if missing; must be empty.
+        common: non-tensor entries stored in the checkpoint's common state, e.g. Megatron-LM's
+            ``{"args": Namespace, "iteration": int, "checkpoint_version": 3.0}`` (None: none).
 
     Returns:
         ``directory`` as a Path (it then holds ``metadata.json``, ``.metadata``, ``*.distcp``).
@@ -347,5 +482,44 @@ def save_checkpoint(model: Any, directory: PathLike) -> Path:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     serialization = mcore.import_module(f"{_DIST_CHECKPOINTING}.serialization")
-    serialization.save({MODEL_KEY: model.sharded_state_dict()}, str(target))
+    serialization.save({MODEL_KEY: model.sharded_state_dict(), **(common or {})}, str(target))
+    return target
+
+
+def save_megatron_lm_checkpoint(model: Any, directory: PathLike, args: Any, iteration: int) -> Path:
+    """Save ``model`` the way Megatron-LM's training loop saves: ``directory/iter_NNNNNNN/`` (a
+    :func:`save_checkpoint` with ``args``, ``iteration`` and ``checkpoint_version`` 3.0 in the
+    common state) and ``directory/latest_checkpointed_iteration.txt`` naming it, so ``ab --load
+    directory`` and Megatron-LM's ``--load directory`` both read it. Every rank must call it.
+
+    Args:
+        model: a megatron-core ``GPTModel``.
+        directory: the save directory; created if missing, must be empty.
+        args: Megatron-LM's training arguments (e.g.
+            :func:`megatron_ext.harness.checkpoint_args.megatron_lm_args`).
+        iteration: the training iteration, >= 1 (Megatron-LM refuses a tracker naming 0).
+
+    Returns:
+        The ``iter_NNNNNNN`` directory.
+
+    Raises:
+        CheckpointError: ``iteration`` < 1; ``directory`` is a file or not empty; see
+            :func:`save_checkpoint`.
+    """
+    if iteration < 1:
+        raise CheckpointError(f"--iteration {iteration}: Megatron-LM reads only iterations >= 1 from "
+                              f"{TRACKER_FILE}; pass 1 or more")
+    root = Path(directory).expanduser()
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"{root} is a file; pass a new or empty directory to save into")
+    problem = _first_on_any_rank(f"{root} is not empty; pass a new or empty directory to save into"
+                                 if root.is_dir() and any(root.iterdir()) else None)
+    if problem:
+        raise CheckpointError(problem)
+    target = save_checkpoint(model, root / f"iter_{iteration:07d}",
+                             {"args": args, "iteration": iteration, "checkpoint_version": 3.0})
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        (root / TRACKER_FILE).write_text(f"{iteration}\n")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
     return target

@@ -74,7 +74,11 @@ def transformer_config(case: Case) -> Any:
     """megatron-core ``TransformerConfig`` for the case's model (CPU initialization, no TE).
 
     ``params_dtype`` is ``torch.float32`` or ``torch.bfloat16`` (``bf16=True`` with the latter);
-    ``init_method_std`` is passed only when the case sets it (else megatron-core's 0.02).
+    ``init_method_std`` is passed only when the case sets it (else megatron-core's 0.02). The
+    Megatron-LM architecture fields of :class:`~megatron_ext.harness.cases.ModelSpec` map as
+    Megatron-LM maps them (``swiglu``: ``gated_linear_unit`` + SiLU; ``norm_epsilon``:
+    ``layernorm_epsilon``); the RoPE and bias-activation fusions are always off (they need
+    Transformer Engine or a GPU compiler).
     """
     module = mcore.import_module("megatron.core.transformer.transformer_config")
     spec = case.model
@@ -83,12 +87,22 @@ def transformer_config(case: Case) -> Any:
     tp, pp = model_parallel_sizes()
     if pp > 1:
         optional["pipeline_dtype"] = dtype  # megatron-core requires it with pipeline parallelism
+    if spec.swiglu:
+        optional.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     return module.TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_query_groups,
-        ffn_hidden_size=spec.ffn_hidden_size,
+        kv_channels=spec.kv_channels,
+        ffn_hidden_size=spec.effective_ffn_hidden_size(),
+        normalization=spec.normalization,
+        layernorm_epsilon=spec.norm_epsilon,
+        qk_layernorm=spec.qk_layernorm,
+        add_bias_linear=spec.add_bias_linear,
+        add_qkv_bias=spec.add_qkv_bias,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
         params_dtype=dtype,
         bf16=dtype is torch.bfloat16,
         use_cpu_initialization=True,
@@ -99,7 +113,8 @@ def transformer_config(case: Case) -> Any:
 
 
 def build_model(case: Case) -> Any:
-    """GPTModel with seeded random weights (``case.model.seed``), in eval mode.
+    """GPTModel with seeded random weights (``case.model.seed``), in eval mode, of the
+    architecture ``case.model`` describes (see :class:`~megatron_ext.harness.cases.ModelSpec`).
 
     Returns a ``megatron.core.models.gpt.GPTModel`` whose parameters have dtype
     ``case.model.params_dtype``. Calling twice with the same case gives identical weights.
@@ -112,13 +127,20 @@ def build_model(case: Case) -> Any:
     random.model_parallel_cuda_manual_seed(case.model.seed)
     tp, pp = model_parallel_sizes()
     parallel_state = mcore.import_module("megatron.core.parallel_state")
+    spec = case.model
+    layer_options = {} if spec.normalization == "LayerNorm" else {"normalization": spec.normalization}
     model = gpt_model.GPTModel(
         config=config,
-        transformer_layer_spec=layer_specs.get_gpt_layer_local_spec(),
-        vocab_size=padded_vocab_size(case.model.vocab_size, tp),
-        max_sequence_length=case.model.max_position_embeddings,
+        transformer_layer_spec=layer_specs.get_gpt_layer_local_spec(
+            qk_layernorm=spec.qk_layernorm, **layer_options),
+        vocab_size=padded_vocab_size(spec.vocab_size, tp),
+        max_sequence_length=spec.max_position_embeddings,
         pre_process=pp == 1 or parallel_state.is_pipeline_first_stage(),
         post_process=pp == 1 or parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
+        position_embedding_type=spec.position_embedding_type,
+        rotary_base=spec.rotary_base,
+        rotary_percent=spec.rotary_percent,
     )
     return model.to(_DTYPES[case.model.params_dtype]).eval()
 

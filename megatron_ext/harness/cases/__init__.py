@@ -46,22 +46,74 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     """A GPT model with megatron-core's local layer spec; weights are seeded random unless loaded.
 
-    ``init_method_std`` is the standard deviation of the random weights (megatron-core's
-    ``TransformerConfig.init_method_std``; None keeps its default, 0.02). Tiny random models give
-    near-uniform next-token log-probs at 0.02; around 0.1 they are peaked enough that greedy
-    continuations differ between prompts.
+    Field names are Megatron-LM's training arguments; the defaults are megatron-ext's small GPT
+    (LayerNorm, GELU, learned absolute positions, biases, untied embeddings, multi-head attention).
+
+    * ``num_layers``, ``hidden_size`` (model width, elements), ``num_attention_heads``;
+      ``num_query_groups``: key/value heads for grouped-query attention (Megatron-LM's
+      ``--group-query-attention --num-query-groups``; None: one per attention head); ``kv_channels``:
+      elements per attention head (None: ``hidden_size / num_attention_heads``).
+    * ``ffn_hidden_size``: MLP width (elements). None: ``4 * hidden_size``, or with ``swiglu``
+      Megatron-LM's ``int(4 * hidden_size * 2 / 3 / 64) * 64`` (:meth:`effective_ffn_hidden_size`).
+    * ``normalization``: ``LayerNorm`` or ``RMSNorm``; ``norm_epsilon`` (megatron-core's
+      ``layernorm_epsilon``); ``qk_layernorm``: a norm on queries and keys.
+    * ``swiglu``: gated MLP with SiLU (``linear_fc1`` is ``[2 * ffn_hidden_size, hidden_size]``);
+      otherwise GELU.
+    * ``position_embedding_type``: ``learned_absolute`` (a ``[max_position_embeddings,
+      hidden_size]`` table) or ``rope`` (rotary, ``rotary_base``, applied to ``rotary_percent`` of
+      each head's channels).
+    * ``add_bias_linear``: biases in every linear layer; ``add_qkv_bias``: a bias in the QKV
+      projection even when ``add_bias_linear`` is off (Qwen-style).
+    * ``untie_embeddings_and_output_weights``: a separate output layer instead of reusing the
+      word embeddings (default True: megatron-core's ``GPTModel`` default, which megatron-ext's
+      model has always used; Megatron-LM's training default is tied).
+    * ``vocab_size``: rows of the word embedding (Megatron-LM's ``padded_vocab_size``), at least
+      the byte tokenizer's 257; ``max_position_embeddings``: longest sequence (tokens).
+    * ``params_dtype``: ``fp32`` or ``bf16``; ``seed`` of the random weights;
+      ``init_method_std``: their standard deviation (megatron-core's ``TransformerConfig.init_method_std``;
+      None keeps its default, 0.02). Tiny random models give near-uniform next-token log-probs
+      at 0.02; around 0.1 they are peaked enough that greedy continuations differ between prompts.
     """
 
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=8)
     num_attention_heads: int = Field(4, ge=1)
     num_query_groups: Optional[int] = Field(None, ge=1)
+    kv_channels: Optional[int] = Field(None, ge=1)
     ffn_hidden_size: Optional[int] = Field(None, ge=8)
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    norm_epsilon: float = Field(1e-5, gt=0)
+    qk_layernorm: bool = False
+    swiglu: bool = False
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    rotary_base: int = Field(10000, ge=1)
+    rotary_percent: float = Field(1.0, gt=0, le=1)
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    untie_embeddings_and_output_weights: bool = True
     vocab_size: int = Field(ByteTokenizer.vocab_size, ge=ByteTokenizer.vocab_size)
     max_position_embeddings: int = Field(1024, ge=16)
     params_dtype: Literal["fp32", "bf16"] = "bf16"
     seed: int = 1234
     init_method_std: Optional[float] = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ModelSpec":
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_query_groups={self.num_query_groups} must divide "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.effective_ffn_hidden_size() == 0:
+            raise ValueError(f"swiglu with hidden_size={self.hidden_size} gives Megatron-LM's default "
+                             "ffn_hidden_size 0; set ffn_hidden_size")
+        return self
+
+    def effective_ffn_hidden_size(self) -> Optional[int]:
+        """``ffn_hidden_size`` as Megatron-LM sets it when not given: with ``swiglu``
+        ``int(4 * hidden_size * 2 / 3 / 64) * 64``; otherwise None (megatron-core's
+        ``4 * hidden_size``)."""
+        if self.ffn_hidden_size is not None or not self.swiglu:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64
 
 
 class InferenceSpec(_Strict):

@@ -1,0 +1,218 @@
+"""Megatron-LM training arguments in a checkpoint: written by ``save-checkpoint``, read by ``ab --load``.
+
+Megatron-LM stores its training arguments (an ``argparse.Namespace``) under ``args`` in a
+checkpoint's common state, next to ``iteration`` and ``checkpoint_version``; its
+``--use-checkpoint-args`` builds the model from them. :func:`megatron_lm_args` writes the
+architecture arguments of a :class:`~megatron_ext.harness.cases.ModelSpec` under the same names,
+and :func:`model_spec_from_args` maps a checkpoint's arguments back to a ``ModelSpec``, refusing
+by name every argument whose value the harness cannot build (mixture of experts, multi-latent
+attention, ...). Runtime and fusion flags in the arguments (``apply_rope_fusion``,
+``bias_swiglu_fusion``, ``masked_softmax_fusion``, ...) are never read: they describe the
+training machine, not the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+import torch
+from pydantic import ValidationError
+
+from .cases import ModelSpec, describe_validation_error
+from .checkpoint import CheckpointError, CheckpointSource, read_common_state
+
+#: ``checkpoint_version`` Megatron-LM writes (training/checkpointing.py).
+CHECKPOINT_VERSION = 3.0
+
+#: Argument -> (the value it must have, what a different value means), for arguments the harness
+#: cannot honour. None also accepts 0 / False / a missing argument.
+UNSUPPORTED_ARGS = {
+    "num_experts": (None, "mixture of experts"),
+    "multi_latent_attention": (False, "multi-latent attention"),
+    "mtp_num_layers": (None, "multi-token prediction layers"),
+    "spec": (None, "a custom layer spec module"),
+    "heterogeneous_layers_config_path": (None, "heterogeneous layers"),
+    "experimental_attention_variant": (None, "an experimental attention variant"),
+    "window_size": (None, "sliding-window attention"),
+    "apply_layernorm_1p": (False, "zero-centered (1p) layer norm"),
+    "squared_relu": (False, "squared-ReLU activation"),
+    "rotary_interleaved": (False, "interleaved rotary embeddings"),
+    "use_rope_scaling": (False, "Llama-3.1 RoPE scaling"),
+    "rotary_seq_len_interpolation_factor": (None, "RoPE sequence-length interpolation"),
+    "fp16": (False, "fp16 parameters (the harness builds fp32 or bf16)"),
+}
+
+_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+_POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+
+
+def megatron_lm_args(spec: ModelSpec, padded_vocab_size: int, tensor_model_parallel_size: int = 1,
+                     pipeline_model_parallel_size: int = 1) -> argparse.Namespace:
+    """The Megatron-LM training arguments that describe the model ``spec`` builds, under
+    Megatron-LM's names and conventions (``kv_channels`` and ``num_query_groups`` always set,
+    ``group_query_attention`` on when ``spec.num_query_groups`` is, ``params_dtype`` a torch dtype).
+
+    Args:
+        spec: the model.
+        padded_vocab_size: rows of the saved word embedding (``spec.vocab_size`` rounded up for TP).
+        tensor_model_parallel_size, pipeline_model_parallel_size: the layout it was saved from.
+    """
+    dtype = torch.bfloat16 if spec.params_dtype == "bf16" else torch.float32
+    rope = spec.position_embedding_type == "rope"
+    return argparse.Namespace(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.effective_ffn_hidden_size() or 4 * spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        group_query_attention=spec.num_query_groups is not None,
+        num_query_groups=spec.num_query_groups or spec.num_attention_heads,
+        kv_channels=spec.kv_channels or spec.hidden_size // spec.num_attention_heads,
+        normalization=spec.normalization,
+        norm_epsilon=spec.norm_epsilon,
+        apply_layernorm_1p=False,
+        qk_layernorm=spec.qk_layernorm,
+        swiglu=spec.swiglu,
+        squared_relu=False,
+        position_embedding_type=spec.position_embedding_type,
+        add_position_embedding=not rope,
+        use_rotary_position_embeddings=rope,
+        rotary_base=spec.rotary_base,
+        rotary_percent=spec.rotary_percent,
+        rotary_interleaved=False,
+        use_rope_scaling=False,
+        rotary_seq_len_interpolation_factor=None,
+        add_bias_linear=spec.add_bias_linear,
+        add_qkv_bias=spec.add_qkv_bias,
+        untie_embeddings_and_output_weights=spec.untie_embeddings_and_output_weights,
+        padded_vocab_size=padded_vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        seq_length=spec.max_position_embeddings,
+        init_method_std=0.02 if spec.init_method_std is None else spec.init_method_std,
+        seed=spec.seed,
+        params_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=False,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        num_experts=None,
+        multi_latent_attention=False,
+        mtp_num_layers=None,
+        spec=None,
+        transformer_impl="local",
+        ckpt_format="torch_dist",
+    )
+
+
+def _refusals(args: Any) -> list[str]:
+    refused = []
+    for name, (required, what) in UNSUPPORTED_ARGS.items():
+        value = getattr(args, name, required)
+        if value == required or (required is None and value in (0, False)):
+            continue
+        refused.append(f"{name}={value!r} ({what})")
+    normalization = getattr(args, "normalization", "LayerNorm")
+    if normalization not in _NORMALIZATIONS:
+        refused.append(f"normalization={normalization!r} (the harness builds {' or '.join(_NORMALIZATIONS)})")
+    position = _position_embedding_type(args)
+    if position not in _POSITION_EMBEDDINGS:
+        refused.append(f"position_embedding_type={position!r} (the harness builds "
+                       f"{' or '.join(_POSITION_EMBEDDINGS)})")
+    return refused
+
+
+def _position_embedding_type(args: Any) -> Any:
+    if hasattr(args, "position_embedding_type"):
+        return args.position_embedding_type
+    return "rope" if getattr(args, "use_rotary_position_embeddings", False) else "learned_absolute"
+
+
+def _add_bias_linear(args: Any) -> bool:
+    if hasattr(args, "add_bias_linear"):
+        return bool(args.add_bias_linear)
+    return not getattr(args, "disable_bias_linear", False)  # Megatron-LM before add_bias_linear
+
+
+def _params_dtype(args: Any) -> str:
+    if getattr(args, "bf16", False):
+        return "bf16"
+    return "bf16" if getattr(args, "params_dtype", None) is torch.bfloat16 else "fp32"
+
+
+def model_spec_from_args(args: Any, where: str, base: Optional[ModelSpec] = None) -> ModelSpec:
+    """The :class:`ModelSpec` a checkpoint's Megatron-LM arguments describe (what Megatron-LM's
+    ``--use-checkpoint-args`` would build), with ``seed`` and ``init_method_std`` from ``base``
+    (they only shape random weights, which the checkpoint replaces).
+
+    Args:
+        args: the ``args`` of a checkpoint's common state (an ``argparse.Namespace``).
+        where: the checkpoint, named in errors.
+        base: supplies ``seed`` and ``init_method_std`` (default: ``ModelSpec()``'s).
+
+    Raises:
+        CheckpointError: an argument the harness cannot honour (named with its value, e.g.
+            ``num_experts=64 (mixture of experts)``), a required one missing (``num_layers``,
+            ``hidden_size``, ``num_attention_heads``, ``padded_vocab_size``, and
+            ``max_position_embeddings`` or ``seq_length``), or values ``ModelSpec`` refuses.
+    """
+    base = base or ModelSpec()
+    refused = _refusals(args)
+    if refused:
+        raise CheckpointError(f"{where}: the checkpoint's model has arguments the harness cannot build: "
+                              f"{'; '.join(refused)}")
+    max_positions = getattr(args, "max_position_embeddings", None) or getattr(args, "seq_length", None)
+    missing = [name for name, value in (
+        ("num_layers", getattr(args, "num_layers", None)),
+        ("hidden_size", getattr(args, "hidden_size", None)),
+        ("num_attention_heads", getattr(args, "num_attention_heads", None)),
+        ("padded_vocab_size", getattr(args, "padded_vocab_size", None)),
+        ("max_position_embeddings (or seq_length)", max_positions)) if value is None]
+    if missing:
+        raise CheckpointError(f"{where}: the checkpoint's args lack {', '.join(missing)}; pass a --case "
+                              "whose model section describes the checkpoint's model")
+    heads, hidden = args.num_attention_heads, args.hidden_size
+    kv_channels = getattr(args, "kv_channels", None)
+    swiglu = bool(getattr(args, "swiglu", False))
+    ffn = getattr(args, "ffn_hidden_size", None)
+    default_ffn = int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden  # Megatron-LM's
+    fields = dict(
+        num_layers=args.num_layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None,
+        kv_channels=None if kv_channels in (None, hidden // heads) else kv_channels,
+        ffn_hidden_size=None if ffn == default_ffn else ffn,
+        normalization=getattr(args, "normalization", "LayerNorm"),
+        norm_epsilon=getattr(args, "norm_epsilon", 1e-5),
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+        swiglu=swiglu,
+        position_embedding_type=_position_embedding_type(args),
+        rotary_base=getattr(args, "rotary_base", 10000),
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
+        add_bias_linear=_add_bias_linear(args),
+        add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
+        untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+        vocab_size=args.padded_vocab_size,
+        max_position_embeddings=max_positions,
+        params_dtype=_params_dtype(args),
+        seed=base.seed,
+        init_method_std=base.init_method_std,
+    )
+    try:
+        return ModelSpec.model_validate(fields)
+    except ValidationError as exc:
+        raise CheckpointError(f"{where}: the checkpoint's args do not make a model the harness can build: "
+                              f"{describe_validation_error(exc)}") from None
+
+
+def checkpoint_model_spec(source: CheckpointSource, base: Optional[ModelSpec] = None) -> Optional[ModelSpec]:
+    """The :class:`ModelSpec` from the Megatron-LM ``args`` in ``source``'s common state, or None
+    when the checkpoint stores no ``args`` (e.g. saved by ``dist_checkpointing.save`` alone).
+
+    Raises:
+        CheckpointError: the common state is unreadable; see :func:`model_spec_from_args`.
+    """
+    args = read_common_state(source.path).get("args")
+    if args is None:
+        return None
+    return model_spec_from_args(args, f"--load {source.requested}", base)

@@ -1,0 +1,205 @@
+"""Megatron-LM args <-> ModelSpec (``megatron_ext.harness.checkpoint_args``) and the restricted
+reader of a checkpoint's common state (``checkpoint.read_common_state``).
+
+* Round trip: ``megatron_lm_args`` of a ModelSpec read back by ``model_spec_from_args`` gives the
+  same ModelSpec (today's default GPT and a Llama-style one), with Megatron-LM's names and values.
+* Refusals: every argument kind the harness cannot build is refused by name and value
+  (CheckpointError, one line); missing required args are named.
+* Megatron-LM conventions: ``group_query_attention`` gates ``num_query_groups``; old
+  ``disable_bias_linear`` / ``use_rotary_position_embeddings``; ``kv_channels`` equal to
+  hidden / heads is the default; fusion flags are ignored.
+* ``read_common_state`` of a ``common.pt`` holding objects of classes outside megatron-core's
+  safe globals: plain values read, the unknown objects come back as ``UnloadedObject`` and
+  nothing named in the file runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ext.harness.cases import ModelSpec
+from megatron_ext.harness.checkpoint import CheckpointError, UnloadedObject, read_common_state
+from megatron_ext.harness.checkpoint_args import megatron_lm_args, model_spec_from_args
+
+LLAMA = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                  ffn_hidden_size=176, normalization="RMSNorm", swiglu=True,
+                  position_embedding_type="rope", rotary_base=500000, rotary_percent=0.5,
+                  add_bias_linear=False, untie_embeddings_and_output_weights=True, qk_layernorm=True,
+                  vocab_size=512, params_dtype="bf16", init_method_std=0.1)
+
+
+def test_default_model_unchanged():
+    """The defaults are the model megatron-ext always built (GPTModel's untied default included)."""
+    spec = ModelSpec()
+    assert (spec.normalization, spec.norm_epsilon, spec.swiglu, spec.position_embedding_type,
+            spec.rotary_base, spec.rotary_percent, spec.add_bias_linear, spec.add_qkv_bias,
+            spec.untie_embeddings_and_output_weights, spec.qk_layernorm, spec.kv_channels) == \
+        ("LayerNorm", 1e-5, False, "learned_absolute", 10000, 1.0, True, False, True, False, None)
+    assert spec.effective_ffn_hidden_size() is None
+
+
+def test_swiglu_default_ffn_is_megatron_lms():
+    assert ModelSpec(swiglu=True, hidden_size=64).effective_ffn_hidden_size() == 128   # int(170.67/64)*64
+    assert ModelSpec(swiglu=True, hidden_size=4096).effective_ffn_hidden_size() == 10880
+    assert ModelSpec(swiglu=True, ffn_hidden_size=176).effective_ffn_hidden_size() == 176
+    with pytest.raises(ValueError, match="ffn_hidden_size 0; set ffn_hidden_size"):
+        ModelSpec(swiglu=True, hidden_size=16)
+    with pytest.raises(ValueError, match="num_query_groups=3 must divide num_attention_heads=8"):
+        ModelSpec(num_attention_heads=8, num_query_groups=3)
+
+
+@pytest.mark.parametrize("spec", [ModelSpec(), LLAMA, ModelSpec(params_dtype="fp32", kv_channels=32,
+                                                                 add_qkv_bias=True, add_bias_linear=False)],
+                         ids=["default-gpt", "llama", "fp32-kv-channels-qkv-bias"])
+def test_args_round_trip(spec):
+    args = megatron_lm_args(spec, spec.vocab_size)
+    assert isinstance(args, argparse.Namespace)
+    assert model_spec_from_args(args, "ckpt", spec) == spec
+
+
+def test_llama_args_have_megatron_lm_names_and_values():
+    args = vars(megatron_lm_args(LLAMA, 512, 2, 1))
+    expected = dict(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=8,
+                    group_query_attention=True, num_query_groups=2, kv_channels=8,
+                    normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, qk_layernorm=True,
+                    position_embedding_type="rope", add_position_embedding=False,
+                    use_rotary_position_embeddings=True, rotary_base=500000, rotary_percent=0.5,
+                    add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=True,
+                    padded_vocab_size=512, max_position_embeddings=1024, seq_length=1024,
+                    params_dtype=torch.bfloat16, bf16=True, fp16=False, init_method_std=0.1,
+                    tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                    num_experts=None, multi_latent_attention=False, mtp_num_layers=None,
+                    ckpt_format="torch_dist")
+    assert {k: args[k] for k in expected} == expected
+    default = vars(megatron_lm_args(ModelSpec(), 257))
+    assert (default["ffn_hidden_size"], default["num_query_groups"], default["group_query_attention"],
+            default["kv_channels"], default["init_method_std"]) == (256, 4, False, 16, 0.02)
+
+
+def _args(**changes) -> argparse.Namespace:
+    args = megatron_lm_args(LLAMA, 512)
+    for name, value in changes.items():
+        setattr(args, name, value)
+    return args
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"num_experts": 64}, "num_experts=64 (mixture of experts)"),
+    ({"multi_latent_attention": True}, "multi_latent_attention=True (multi-latent attention)"),
+    ({"mtp_num_layers": 1}, "mtp_num_layers=1 (multi-token prediction layers)"),
+    ({"spec": ["my.module", "layer_spec"]}, "spec=['my.module', 'layer_spec'] (a custom layer spec module)"),
+    ({"apply_layernorm_1p": True}, "apply_layernorm_1p=True (zero-centered (1p) layer norm)"),
+    ({"squared_relu": True}, "squared_relu=True (squared-ReLU activation)"),
+    ({"rotary_interleaved": True}, "rotary_interleaved=True (interleaved rotary embeddings)"),
+    ({"use_rope_scaling": True}, "use_rope_scaling=True (Llama-3.1 RoPE scaling)"),
+    ({"fp16": True, "bf16": False}, "fp16=True (fp16 parameters (the harness builds fp32 or bf16))"),
+    ({"window_size": (4096, 0)}, "window_size=(4096, 0) (sliding-window attention)"),
+    ({"position_embedding_type": "mrope"}, "position_embedding_type='mrope' (the harness builds learned_absolute or rope)"),
+    ({"normalization": "L2Norm"}, "normalization='L2Norm' (the harness builds LayerNorm or RMSNorm)"),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
+def test_unsupported_argument_is_refused_by_name(changes, named):
+    with pytest.raises(CheckpointError) as info:
+        model_spec_from_args(_args(**changes), "--load /ckpt")
+    message = str(info.value)
+    assert message == f"--load /ckpt: the checkpoint's model has arguments the harness cannot build: {named}"
+    assert "\n" not in message
+
+
+def test_several_refusals_are_all_named():
+    with pytest.raises(CheckpointError, match=r"cannot build: num_experts=8 \(mixture of experts\); "
+                                              r"multi_latent_attention=True \(multi-latent attention\)$"):
+        model_spec_from_args(_args(num_experts=8, multi_latent_attention=True), "--load /ckpt")
+
+
+def test_absent_or_zero_unsupported_arguments_are_accepted():
+    args = _args(num_experts=0, mtp_num_layers=0)
+    for name in ("multi_latent_attention", "spec", "rotary_interleaved", "use_rope_scaling"):
+        delattr(args, name)
+    assert model_spec_from_args(args, "ckpt", LLAMA) == LLAMA
+
+
+def test_missing_required_arguments_are_named():
+    args = _args()
+    del args.padded_vocab_size, args.max_position_embeddings, args.seq_length
+    with pytest.raises(CheckpointError, match=r"^ckpt: the checkpoint's args lack padded_vocab_size, "
+                                              r"max_position_embeddings \(or seq_length\); pass a --case"):
+        model_spec_from_args(args, "ckpt")
+
+
+def test_values_modelspec_refuses_are_named():
+    with pytest.raises(CheckpointError, match=r"args do not make a model the harness can build: "
+                                              r"field 'vocab_size': Input should be greater than or equal to 257"):
+        model_spec_from_args(_args(padded_vocab_size=128), "ckpt")
+
+
+def test_megatron_lm_conventions():
+    # num_query_groups counts only with group_query_attention (Megatron-LM stores both always)
+    assert model_spec_from_args(_args(group_query_attention=False), "c").num_query_groups is None
+    # kv_channels equal to hidden / heads is the default; fusion and runtime flags are not read
+    spec = model_spec_from_args(_args(kv_channels=8, apply_rope_fusion=True, bias_swiglu_fusion=True,
+                                      masked_softmax_fusion=True, sequence_parallel=True), "c", LLAMA)
+    assert spec == LLAMA
+    # a Megatron-LM from before add_bias_linear / position_embedding_type
+    old = _args()
+    del old.add_bias_linear, old.position_embedding_type
+    old.disable_bias_linear, old.use_rotary_position_embeddings = True, True
+    assert model_spec_from_args(old, "c", LLAMA) == LLAMA
+    # Megatron-LM's own default: tied embeddings when the argument is absent
+    del old.untie_embeddings_and_output_weights
+    assert model_spec_from_args(old, "c", LLAMA).untie_embeddings_and_output_weights is False
+
+
+class _Scope(enum.Enum):
+    """Stands for an enum of a megatron-core release the reader does not have."""
+
+    FULL = "full"
+
+
+_RAN = []
+
+
+def _must_not_run(path):
+    _RAN.append(path)
+    Path(path).write_text("ran")
+    return "ran"
+
+
+class _Payload:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return _must_not_run, (self.path,)
+
+
+def test_common_state_with_unknown_classes_reads_without_running_anything(tmp_path):
+    marker = tmp_path / "marker"
+    args = megatron_lm_args(LLAMA, 512)
+    args.inference_cuda_graph_scope = _Scope.FULL
+    args.hook = _Payload(str(marker))
+    torch.save({"args": args, "iteration": 3, "checkpoint_version": 3.0}, tmp_path / "common.pt")
+    state = read_common_state(tmp_path)
+    assert not marker.exists() and _RAN == []
+    assert (state["iteration"], state["checkpoint_version"]) == (3, 3.0)
+    read = state["args"]
+    assert isinstance(read, argparse.Namespace)
+    assert isinstance(read.inference_cuda_graph_scope, UnloadedObject)
+    assert read.inference_cuda_graph_scope.name == f"{__name__}._Scope"
+    assert read.inference_cuda_graph_scope.args == ("full",)
+    assert isinstance(read.hook, UnloadedObject) and read.hook.name == f"{__name__}._must_not_run"
+    assert read.params_dtype is torch.bfloat16
+    assert model_spec_from_args(read, "c", LLAMA) == LLAMA
+
+
+def test_common_state_missing_is_refused(tmp_path):
+    (tmp_path / "common.pt").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match=r"cannot read the common state of .*common.pt"):
+        read_common_state(tmp_path)
+    (tmp_path / "common.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"cannot read the index \(.metadata\) of"):
+        read_common_state(tmp_path)
