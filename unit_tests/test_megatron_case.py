@@ -130,3 +130,17 @@ def test_cli_refuses_a_tokenizer_it_cannot_load_with_one_line(tmp_path, capsys, 
     assert cli.main(["ab", "--case", str(path), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tokenizer-type TikTokenizer" in err[0]
+
+
+def test_llama_style_model_flags_map_to_the_model_section(tmp_path):
+    args = {k: v for k, v in MODEL_ARGS.items() if k not in ("--use-checkpoint-args", "--load", "--tokenizer-type",
+                                                                "--tokenizer-model")}
+    args.update({"--normalization": "RMSNorm", "--swiglu": True, "--position-embedding-type": "rope",
+                 "--rotary-base": 500000, "--disable-bias-linear": True, "--group-query-attention": True,
+                 "--num-query-groups": 2, "--untie-embeddings-and-output-weights": True})
+    model = load_megatron_case(write(tmp_path, args)).case.model
+    assert (model.normalization, model.swiglu, model.position_embedding_type, model.rotary_base,
+            model.add_bias_linear, model.num_query_groups, model.untie_embeddings_and_output_weights) == (
+        "RMSNorm", True, "rope", 500000, False, 2, True)
+    del args["--untie-embeddings-and-output-weights"]
+    assert load_megatron_case(write(tmp_path, args)).case.model.untie_embeddings_and_output_weights is False

@@ -308,6 +308,9 @@ def _model(args: _ArgReader) -> dict[str, Any]:
     bf16 = args.get("--bf16", _flag, False)
     if model or bf16:  # Megatron's default without --bf16 / --fp16 is fp32
         model["params_dtype"] = "bf16" if bf16 else "fp32"
+    if model and "untie_embeddings_and_output_weights" in ModelSpec.model_fields:
+        # Megatron ties the output layer to the embedding unless the flag says otherwise
+        model.setdefault("untie_embeddings_and_output_weights", False)
     if args.get("--disable-bias-linear", _flag, False):
         if "add_bias_linear" not in ModelSpec.model_fields:
             raise CaseFileError(f"{args.path}: refused: --disable-bias-linear (this megatron-ext's model section "
