@@ -21,7 +21,7 @@ from megatron_ext.harness.ab import backend
 from megatron_ext.harness.cases import Case, load_case, plan_requests
 from megatron_ext.harness.engine import build_engine, build_model, ensure_model_parallel
 from megatron_ext.harness.step_loop import EngineStuckError, describe_exception, merged_record, step_until_done
-from megatron_ext.harness.tokenizer import ByteTokenizer
+from megatron_ext.harness.tokenizer import default_tokenizer
 
 
 def shrink(case: Case) -> Case:
@@ -103,7 +103,7 @@ class EndToEndBench:
     def __init__(self, case_name: str, short: bool = False) -> None:
         case = load_case(case_name)
         self.case = shrink(case) if short else case
-        self.planned = plan_requests(self.case, ByteTokenizer())
+        self.planned = plan_requests(self.case, default_tokenizer())
         self._stack = contextlib.ExitStack()
         started = time.perf_counter()
         self.invariance = self._stack.enter_context(backend("cpu"))

@@ -30,7 +30,7 @@ from megatron_ext.harness.cases import load_case, plan_requests
 from megatron_ext.harness.compare import compare_runs
 from megatron_ext.harness.engine import engine_tokenizer, ensure_model_parallel
 from megatron_ext.harness.step_loop import RunRecord, drive
-from megatron_ext.harness.tokenizer import ByteTokenizer
+from megatron_ext.harness.tokenizer import default_tokenizer
 
 
 def _missing() -> str | None:
@@ -90,7 +90,7 @@ def _run(model, case, planned, prefix_caching: bool, policy: str, cuda_graphs: b
         num_cuda_graphs=8 if cuda_graphs else None)
     context = dynamic_context.DynamicInferenceContext(model.config, inference)
     text = controller.TextGenerationController(wrapper.GPTInferenceWrapper(model, context),
-                                               engine_tokenizer(ByteTokenizer()))
+                                               engine_tokenizer(default_tokenizer()))
     engine = engines.DynamicInferenceEngine(text, context)  # captures the CUDA graphs, if any
     record = RunRecord(prefix_caching, policy if prefix_caching else None)
     drive(engine, context, case, planned, record)
@@ -107,7 +107,7 @@ def test_gpu_prefix_caching_is_bit_identical(cuda_graphs):
     case = load_case("rl_rollouts")
     case = case.model_copy(update={"model": case.model.model_copy(update={"hidden_size": 256})})
     assert case.model.params_dtype == "bf16"
-    planned = plan_requests(case, ByteTokenizer())
+    planned = plan_requests(case, default_tokenizer())
     assert all(result.state.value != "refused" for result in apply())
     ensure_model_parallel()
     with bik.set_batch_invariant_mode(True):

@@ -88,10 +88,22 @@ def cmd_ab(args: argparse.Namespace) -> int:
         args.load = args.load or megatron_case.load
         if rank == 0:
             _print_megatron_mapping(megatron_case)
+    tokenizer = None
+    if args.tokenizer is not None:  # a bad path or a missing library fails here, before any engine
+        from .harness.tokenizer import check_vocab_fits, load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_library)
+        if args.load is None:  # with --load the model may come from the checkpoint's args: run_ab checks
+            check_vocab_fits(tokenizer, case.model.vocab_size, f"case {case.name}")
+    elif args.tokenizer_library is not None:
+        print("megatron-ext: error: --tokenizer-library names the library of --tokenizer PATH; "
+              "pass --tokenizer too", file=sys.stderr)
+        return 2
     if args.prompts is not None:
         from .harness.prompts import prompts_case
 
-        case = prompts_case(case, Path(args.prompts), args.samples or 1, args.num_tokens_to_generate)
+        case = prompts_case(case, Path(args.prompts), args.samples or 1, args.num_tokens_to_generate,
+                            tokenizer)
     elif args.samples is not None or args.num_tokens_to_generate is not None:
         print("megatron-ext: error: --samples and --num-tokens-to-generate apply to --prompts FILE; "
               "with a case file, set 'samples' and 'num_tokens_to_generate' per request in it", file=sys.stderr)
@@ -114,7 +126,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
             result = run_ab(case, patched=not args.unpatched, device=args.device,
                             on_step=progress.on_step, on_run=progress.on_run,
                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            load=checkpoint)
+                            load=checkpoint, tokenizer=tokenizer)
     except Exception as exc:  # noqa: BLE001 - multi-rank: name the rank, exit non-zero
         if world_size == 1 or isinstance(exc, MegatronExtError):
             raise
@@ -390,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_ab = sub.add_parser(
         "ab", help="prefix caching off vs on through megatron-core's dynamic engine, bit for bit",
         description="Exit codes: 0 bit-identical and every audit holds; 1 divergence, audit "
-        "violation or unmet expectation; 2 bad input (case file, --load checkpoint, output path, device); 3 platform not batch-invariant; 130 interrupted (Ctrl-C). Multi-rank: "
+        "violation or unmet expectation; 2 bad input (case file, --load checkpoint, --tokenizer, output path, device); 3 platform not batch-invariant; 130 interrupted (Ctrl-C). Multi-rank: "
         "'torchrun --nproc-per-node T*P -m megatron_ext ab --tensor-model-parallel-size T "
         "--pipeline-model-parallel-size P'; every rank runs the audits, rank 0 reports (and writes "
         "--json/--plot), every rank exits non-zero if any rank failed.")
@@ -419,6 +431,16 @@ def build_parser() -> argparse.ArgumentParser:
                       "--inference-repeat-n; default 1)")
     p_ab.add_argument("--num-tokens-to-generate", type=_positive_int, metavar="N",
                       help="with --prompts: tokens to generate where a line does not say (default 8)")
+    p_ab.add_argument("--tokenizer", metavar="PATH",
+                      help="tokenize the prompts with this tokenizer, loaded by megatron-core "
+                      "(megatron.core.tokenizers): a directory or file with tokenizer_metadata.json "
+                      "beside it, or any tokenizer with --tokenizer-library (default: megatron-core's "
+                      "byte-level tokenizer, 257 IDs); its vocabulary must fit the model's vocab_size")
+    p_ab.add_argument("--tokenizer-library", metavar="LIB",
+                      choices=("huggingface", "sentencepiece", "tiktoken", "megatron", "byte-level", "null-text"),
+                      help="with --tokenizer: megatron-core's library for it (huggingface, sentencepiece, "
+                      "tiktoken, ...), in place of a tokenizer_metadata.json (nothing is written into "
+                      "PATH); Hugging Face tokenizers need transformers: pip install 'megatron-ext[hf]'")
     p_ab.add_argument("--top-n-logprobs", type=_positive_int, metavar="N",
                       help="also record megatron-core's top-n log-probs of every generated token "
                       "(SamplingParams.top_n_logprobs) and compare them bit for bit")

@@ -8,9 +8,9 @@ from megatron_ext.harness.cases import (
     CaseFileError, PlannedRequest, RequestSpec, WorkloadError, load_case, parse_case, plan_requests,
     shipped_cases, validate_planned,
 )
-from megatron_ext.harness.tokenizer import ByteTokenizer
+from megatron_ext.harness.tokenizer import default_tokenizer
 
-TOKENIZER = ByteTokenizer()
+TOKENIZER = default_tokenizer()
 
 
 def test_shipped_cases():

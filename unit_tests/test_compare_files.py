@@ -124,3 +124,23 @@ def test_file_with_an_unknown_run_name_blames_the_run(tmp_path):
     a = ab_json(tmp_path / "a.json")
     with pytest.raises(RecordedRunError, match=r"a.json:bogus: 'bogus' is not a run; name one of off, ref_zero, lru"):
         parse_spec(f"{a}:bogus")
+
+
+BYTE_LEVEL = {"library": "byte-level", "path": None, "vocab_size": 257, "eod": 256, "fingerprint": "b8a4b1d26c7a1182"}
+
+
+def test_runs_made_with_different_tokenizers_are_refused(tmp_path, capsys):
+    a, b = ab_json(tmp_path / "a.json"), ab_json(tmp_path / "b.json")
+    hf = {"library": "huggingface", "path": "/t/bpe", "vocab_size": 200, "eod": 2, "fingerprint": "5cec33d044392efa"}
+    for path, tokenizer in ((a, BYTE_LEVEL), (b, hf)):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "tokenizer": tokenizer}))
+    assert cli.main(["compare", f"{a}:off", f"{b}:off"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"megatron-ext: error: {a}:off and {b}:off were made with different tokenizers (A: "
+                   "byte-level vs B: huggingface /t/bpe: library byte-level vs huggingface); compare runs made "
+                   "with the same tokenizer"]
+    # the same tokenizer stored elsewhere compares; a file from before ab recorded it is not checked
+    b.write_text(json.dumps({**json.loads(b.read_text()), "tokenizer": {**BYTE_LEVEL, "path": None}}))
+    assert cli.main(["compare", f"{a}:off", f"{b}:off"]) == 0
+    c = ab_json(tmp_path / "c.json")
+    assert cli.main(["compare", f"{a}:off", f"{c}:off"]) == 0

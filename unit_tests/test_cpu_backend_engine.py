@@ -20,7 +20,7 @@ from megatron_ext.cpu_backend import attention, batch_invariant, cpu_backend, pi
 from megatron_ext.cpu_backend.device import CUDA_STANDINS  # noqa: E402
 from megatron_ext.harness.engine import build_engine, build_model, ensure_model_parallel  # noqa: E402
 from megatron_ext.harness.step_loop import RunRecord, drive  # noqa: E402
-from megatron_ext.harness.tokenizer import ByteTokenizer  # noqa: E402
+from megatron_ext.harness.tokenizer import default_tokenizer  # noqa: E402
 
 ATTENTION_NAMES = ("flash_attn_varlen_func", "flash_attn_with_kvcache", "is_fa_min_version",
                    "HAVE_FA3", "HAVE_FA4")
@@ -111,7 +111,7 @@ def _run(case: Case, caching: tuple[bool, ...] = (True,), spy: list | None = Non
     off, ``ref_zero`` eviction) driven to completion, all inside ``ab.backend("cpu")`` (CPU
     backend, one intra-op thread). ``spy`` collects ``(query rows, sequences)`` of every decode
     kernel call."""
-    planned = plan_requests(case, ByteTokenizer())
+    planned = plan_requests(case, default_tokenizer())
     records = []
     threads = torch.get_num_threads()
     with backend("cpu") as (invariant, detail), torch.inference_mode():

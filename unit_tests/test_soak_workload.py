@@ -6,9 +6,9 @@ import pytest
 
 from megatron_ext.harness.cases import CaseFileError, dump_case, load_case, plan_requests
 from megatron_ext.harness.soak import MAX_PROMPT_TOKENS, SOAK_INFERENCE, soak_case
-from megatron_ext.harness.tokenizer import ByteTokenizer
+from megatron_ext.harness.tokenizer import default_tokenizer
 
-TOKENIZER = ByteTokenizer()
+TOKENIZER = default_tokenizer()
 
 
 @pytest.mark.parametrize("requests", [1, 2, 7, 150, 2000])

@@ -25,7 +25,7 @@ from .compare import RequestDiff, RequestOutput, compare_runs
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .engine import build_engine, build_model, ensure_model_parallel
 from .step_loop import RunRecord, drive
-from .tokenizer import ByteTokenizer
+from .tokenizer import Tokenizer, check_vocab_fits, default_tokenizer
 
 #: Audit violation kinds of the LRU faults 3-5, and what a count of them means in a verdict.
 LRU_FAULT_VIOLATIONS = {
@@ -73,6 +73,8 @@ class ABResult:
     requests: list[dict] = field(default_factory=list)
     #: the model was built from the checkpoint's Megatron-LM args (the case had no model section)
     model_from_checkpoint_args: bool = False
+    #: the tokenizer that planned the prompts and detokenized outputs; None: not recorded
+    tokenizer: Optional[Tokenizer] = None
 
     def weights(self) -> dict[str, Any]:
         """Where the weights came from: ``{"source": "checkpoint", "requested", "path",
@@ -168,6 +170,7 @@ class ABResult:
             "megatron_core_version": self.megatron_core_version,
             "device": self.device,
             "weights": self.weights(),
+            **({"tokenizer": self.tokenizer.as_json()} if self.tokenizer is not None else {}),
             "patches": self.patches,
             "batch_invariance_check": {"ok": self.invariance[0], "detail": self.invariance[1]},
             "wall_s": round(self.wall_s, 3),
@@ -256,6 +259,7 @@ def run_ab(
     pipeline_model_parallel_size: int = 1,
     load: Union[PathLike, CheckpointSource, None] = None,
     on_run: Optional[Callable[[RunRecord], None]] = None,
+    tokenizer: Optional[Tokenizer] = None,
 ) -> ABResult:
     """Run A (caching off) and B (caching on, per policy) and compare.
 
@@ -274,9 +278,13 @@ def run_ab(
             (:func:`megatron_ext.harness.checkpoint_args.checkpoint_model_spec`; the result's
             ``case.model`` is that model).
         on_run: called with each run's :class:`RunRecord` when it ends (progress lines in logs).
+        tokenizer: tokenizes the prompts and detokenizes the outputs
+            (:func:`megatron_ext.harness.tokenizer.load_tokenizer`); None: megatron-core's byte-level
+            tokenizer as the shipped cases use it.
 
     Raises:
-        MegatronCoreNotFoundError, CaseFileError (prompt too long or empty), WorkloadError (see
+        MegatronCoreNotFoundError, CaseFileError (prompt too long or empty), TokenizerError (the
+        tokenizer's vocabulary exceeds the model's ``vocab_size``), WorkloadError (see
         :func:`megatron_ext.harness.cases.validate_planned`), CheckpointError (``load``: missing, not a
         checkpoint, architecture mismatch, args the harness cannot build), EngineStuckError, RuntimeError;
         multi-rank: RankFailedError when megatron-core raised mid-run on this rank (the ranks are
@@ -288,7 +296,9 @@ def run_ab(
         load = load if isinstance(load, CheckpointSource) else resolve_checkpoint(load)
         built_for = _case_for_checkpoint(case, load)
         case, from_args = built_for, built_for is not case
-    planned = plan_requests(case, ByteTokenizer())
+    tokenizer = tokenizer or default_tokenizer()
+    check_vocab_fits(tokenizer, case.model.vocab_size, f"case {case.name}")
+    planned = plan_requests(case, tokenizer)
     validate_planned(planned)  # bad input is refused before anything is built
     patch_results = apply() if patched else revert()
     patches = [r.as_dict() for r in patch_results]
@@ -297,12 +307,12 @@ def run_ab(
         model = build_model(case)
         checkpoint = None if load is None else load_checkpoint(model, load, case.name)
         baseline = _one_run(model, case, planned, False, case.prefix_caching_eviction_policies[0], on_step,
-                            on_run)
+                            on_run, tokenizer)
         result = ABResult(case, mcore.installed_version(), device, patches, invariance, baseline,
                           checkpoint=checkpoint, requests=[_request_json(r) for r in planned],
-                          model_from_checkpoint_args=from_args)
+                          model_from_checkpoint_args=from_args, tokenizer=tokenizer)
         for policy in case.prefix_caching_eviction_policies:
-            run = _one_run(model, case, planned, True, policy, on_step, on_run)
+            run = _one_run(model, case, planned, True, policy, on_step, on_run, tokenizer)
             result.policies.append(PolicyResult(policy, run, compare_runs(baseline.outputs, run.outputs)))
     result.ranks = gather_ranks(result)
     result.wall_s = time.perf_counter() - started
@@ -320,9 +330,9 @@ def _case_for_checkpoint(case: Case, source: CheckpointSource) -> Case:
     return case.model_copy(update={"model": spec})
 
 
-def _one_run(model, case, planned, prefix_caching, policy, on_step, on_run) -> RunRecord:
+def _one_run(model, case, planned, prefix_caching, policy, on_step, on_run, tokenizer) -> RunRecord:
     started = time.perf_counter()
-    engine, context = build_engine(model, case, prefix_caching, policy)
+    engine, context = build_engine(model, case, prefix_caching, policy, tokenizer)
     record = RunRecord(prefix_caching, policy if prefix_caching else None)
     record.total_blocks = int(context.kv_block_allocator.total_count)
     drive(engine, context, case, planned, record, on_step)

@@ -11,13 +11,13 @@ import datetime
 import os
 import tempfile
 import types
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from .. import env, mcore
 from .cases import Case
-from .tokenizer import ByteTokenizer
+from .tokenizer import Tokenizer, default_tokenizer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -66,7 +66,7 @@ def model_parallel_sizes() -> tuple[int, int]:
 def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
     """``vocab_size`` rounded up to a multiple of the TP size (megatron-core splits the embedding
     and output layer evenly over TP ranks); unchanged with TP=1. The extra IDs are model-only
-    tokens that the byte tokenizer drops when detokenizing."""
+    tokens that :meth:`Tokenizer.detokenize` drops."""
     return -(-vocab_size // tensor_model_parallel_size) * tensor_model_parallel_size
 
 
@@ -155,8 +155,10 @@ def inference_config(case: Case, prefix_caching: bool, eviction_policy: str) -> 
     )
 
 
-def engine_tokenizer(tokenizer: ByteTokenizer) -> Any:
-    """The tokenizer object megatron-core's controller expects (``eod``, ``detokenize`` ...)."""
+def engine_tokenizer(tokenizer: Tokenizer) -> Any:
+    """The tokenizer object megatron-core's controller expects (``eod``, ``detokenize`` ...):
+    ``tokenizer``'s, with a ``detokenize`` that drops IDs the tokenizer does not know and takes
+    (and ignores) megatron-core's keyword arguments, the same on every release."""
     return types.SimpleNamespace(
         eod=tokenizer.eod,
         vocab_size=tokenizer.vocab_size,
@@ -165,8 +167,12 @@ def engine_tokenizer(tokenizer: ByteTokenizer) -> Any:
     )
 
 
-def build_engine(model: Any, case: Case, prefix_caching: bool, eviction_policy: str) -> tuple[Any, Any]:
+def build_engine(model: Any, case: Case, prefix_caching: bool, eviction_policy: str,
+                 tokenizer: Optional[Tokenizer] = None) -> tuple[Any, Any]:
     """A fresh ``DynamicInferenceContext`` and ``DynamicInferenceEngine`` around ``model``.
+
+    ``tokenizer``: what the controller detokenizes with and stops at (its ``eod``); None: the
+    default byte-level tokenizer.
 
     Returns:
         ``(engine, context)``.
@@ -179,5 +185,5 @@ def build_engine(model: Any, case: Case, prefix_caching: bool, eviction_policy: 
     context = dynamic_context.DynamicInferenceContext(
         model.config, inference_config(case, prefix_caching, eviction_policy))
     wrapped = wrapper.GPTInferenceWrapper(model, context)
-    text_controller = controller.TextGenerationController(wrapped, engine_tokenizer(ByteTokenizer()))
+    text_controller = controller.TextGenerationController(wrapped, engine_tokenizer(tokenizer or default_tokenizer()))
     return engines.DynamicInferenceEngine(text_controller, context), context

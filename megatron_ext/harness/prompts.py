@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from ..errors import MegatronExtError
 from .cases import Case, Expectations, RequestSpec, describe_validation_error, sequence_too_long
-from .tokenizer import ByteTokenizer
+from .tokenizer import Tokenizer, default_tokenizer
 
 #: The keys a JSON Lines prompt may have.
 PROMPT_KEYS = ("prompt", "samples", "num_tokens_to_generate", "arrival_step")
@@ -65,8 +65,11 @@ def read_prompts(path: Path, samples: int = 1, num_tokens_to_generate: Optional[
 
 
 def prompts_case(case: Case, path: Path, samples: int = 1,
-                 num_tokens_to_generate: Optional[int] = None) -> Case:
+                 num_tokens_to_generate: Optional[int] = None,
+                 tokenizer: Optional[Tokenizer] = None) -> Case:
     """``case`` with its requests replaced by the prompts of ``path``.
+
+    Prompt lengths are counted in ``tokenizer``'s tokens (None: the default byte-level tokenizer).
 
     Its expectations go back to the defaults (bit-identical only): a shipped case's minimum of
     matched blocks says nothing about the user's prompts.
@@ -76,7 +79,7 @@ def prompts_case(case: Case, path: Path, samples: int = 1,
             case's ``inference.max_sequence_length`` (line named).
     """
     prompts = read_prompts(path, samples, num_tokens_to_generate)
-    tokenizer = ByteTokenizer()
+    tokenizer = tokenizer or default_tokenizer()
     for number, spec in prompts:
         problem = sequence_too_long(case.inference, len(tokenizer.tokenize(spec.prompt)),
                                     spec.num_tokens_to_generate)

@@ -37,6 +37,8 @@ class RecordedRun:
         requests: request ID -> ``{"label", "prompt_length", "prompt_sha256"}`` as ``ab`` planned
             them; empty for files written before ``ab`` recorded them.
         context: one line naming the case, megatron-core release and device of the file.
+        tokenizer: ``{"library", "path", "vocab_size", "eod", "fingerprint"}`` as ``ab`` recorded it;
+            None for files written before ``ab`` recorded it.
     """
 
     path: Path
@@ -45,6 +47,7 @@ class RecordedRun:
     outputs: dict[int, RequestOutput]
     requests: dict[int, dict[str, Any]]
     context: str
+    tokenizer: Optional[dict[str, Any]] = None
 
 
 @dataclass
@@ -108,7 +111,9 @@ def load_runs(path: Path) -> dict[str, RecordedRun]:
                f"device {data.get('device', '?')}")
     requests = {r["request_id"]: r for r in data.get("requests", [])}
     runs = [(CACHING_OFF, data["baseline"])] + [(p["eviction_policy"], p["run"]) for p in data["policies"]]
-    return {name: RecordedRun(path, f"{path}:{name}", name, _outputs(run, path), requests, context)
+    tokenizer = data.get("tokenizer")
+    return {name: RecordedRun(path, f"{path}:{name}", name, _outputs(run, path), requests, context,
+                              tokenizer if isinstance(tokenizer, dict) else None)
             for name, run in runs}
 
 
@@ -158,9 +163,16 @@ def compare_recorded(a: RecordedRun, b: RecordedRun) -> RunComparison:
     """Compare two recorded runs of the same requests, bit for bit.
 
     Raises:
-        RecordedRunError: the runs hold other request IDs, or a request's label, prompt length or
-            prompt digest differs (runs of other prompts say nothing about each other).
+        RecordedRunError: the runs were made with different tokenizers (library, vocabulary size,
+            end-of-document ID or the token IDs of a probe text differ; not checked for files
+            written before ``ab`` recorded its tokenizer), the runs hold other request IDs, or a
+            request's label, prompt length or prompt digest differs (runs of other prompts say
+            nothing about each other).
     """
+    mismatch = _tokenizer_mismatch(a.tokenizer, b.tokenizer)
+    if mismatch:
+        raise RecordedRunError(f"{a.source} and {b.source} were made with different tokenizers "
+                               f"({mismatch}); compare runs made with the same tokenizer")
     if a.outputs.keys() != b.outputs.keys():
         only_a, only_b = sorted(a.outputs.keys() - b.outputs.keys()), sorted(b.outputs.keys() - a.outputs.keys())
         raise RecordedRunError(f"{a.source} and {b.source} hold other requests: request IDs only in A "
@@ -183,3 +195,20 @@ def _prompt_mismatch(a: RecordedRun, b: RecordedRun, rid: int) -> Optional[str]:
         if ra.get(key) != rb.get(key):
             return f"{what} {ra.get(key)} vs {rb.get(key)}"
     return None
+
+
+#: What identifies a tokenizer in a recorded run (its path may differ between machines).
+_TOKENIZER_KEYS = ("library", "vocab_size", "eod", "fingerprint")
+
+
+def _tokenizer_mismatch(a: Optional[dict[str, Any]], b: Optional[dict[str, Any]]) -> Optional[str]:
+    if a is None or b is None:  # a file from before ab recorded its tokenizer
+        return None
+    for key in _TOKENIZER_KEYS:
+        if a.get(key) != b.get(key):
+            return f"A: {_tokenizer_name(a)} vs B: {_tokenizer_name(b)}: {key} {a.get(key)} vs {b.get(key)}"
+    return None
+
+
+def _tokenizer_name(tokenizer: dict[str, Any]) -> str:
+    return " ".join(str(part) for part in (tokenizer.get("library"), tokenizer.get("path")) if part)

@@ -96,6 +96,8 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
     console.print(f"megatron-core {result.megatron_core_version} on {result.device}; patches: {applied}")
     ok, detail = result.invariance
     console.print(result.describe_weights())
+    if result.tokenizer is not None and result.tokenizer.path is not None:  # the user's --tokenizer
+        console.print(result.tokenizer.describe(), markup=False)
     console.print(f"batch-invariance self-check: {'ok' if ok else '[bold red]FAILED[/]'} ({detail})")
     for policy in result.policies:
         if not (only_divergent and policy.bit_identical):

@@ -27,7 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ...errors import MegatronExtError
-from ..tokenizer import ByteTokenizer
+from ..tokenizer import BYTE_LEVEL_VOCAB_SIZE, Tokenizer
 
 
 class CaseFileError(MegatronExtError, ValueError):
@@ -91,7 +91,7 @@ class ModelSpec(_Strict):
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     untie_embeddings_and_output_weights: bool = True
-    vocab_size: int = Field(ByteTokenizer.vocab_size, ge=ByteTokenizer.vocab_size)
+    vocab_size: int = Field(BYTE_LEVEL_VOCAB_SIZE, ge=BYTE_LEVEL_VOCAB_SIZE)
     max_position_embeddings: int = Field(1024, ge=16)
     params_dtype: Literal["fp32", "bf16"] = "bf16"
     seed: int = 1234
@@ -202,7 +202,7 @@ class PlannedRequest(_Strict):
     label: str
 
 
-def plan_requests(case: Case, tokenizer: ByteTokenizer) -> list[PlannedRequest]:
+def plan_requests(case: Case, tokenizer: Tokenizer) -> list[PlannedRequest]:
     """Expand a case's requests into engine requests, ordered by arrival step then ID.
 
     Request IDs are assigned here (0, 1, ... in case order), so a case cannot repeat one.
