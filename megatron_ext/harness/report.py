@@ -109,16 +109,17 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
             for line in lines:
                 console.print(f"  [red]{kind}[/] ({run.eviction_policy or 'caching off'}): {line}")
     for note in notes:
-        console.print(note, markup=False, highlight=False)
+        console.print(note, markup=False, highlight=False, soft_wrap=True)
     failures = result.failures()
     if failures:
         console.print("[bold red]FAIL[/]:")
-        for failure in failures:
-            console.print(f"  - {failure}")
+        for failure in failures:  # soft_wrap: a verdict line is never split, whatever --width says
+            console.print(f"  - {failure}", markup=False, soft_wrap=True)
     else:
         weights = "" if result.checkpoint is None else f" (weights from {result.checkpoint.path})"
         console.print(f"[bold green]PASS[/]: {len(result.baseline.outputs)} requests bit-identical with "
-                      f"prefix caching on and off{weights}; every audit holds ({result.wall_s:.1f} s)")
+                      f"prefix caching on and off{weights}; every audit holds ({result.wall_s:.1f} s)",
+                      soft_wrap=True)
 
 
 def print_comparison(comparisons: Sequence[RunComparison], console: Console, only_divergent: bool = False) -> None:
@@ -135,14 +136,14 @@ def print_comparison(comparisons: Sequence[RunComparison], console: Console, onl
     differing = [(c, d) for c in comparisons for d in c.diffs if not d.identical]
     if not differing:
         console.print(f"[bold green]PASS[/]: {len(first.diffs)} requests bit-identical in {len(comparisons)} "
-                      "compared run pair(s)")
+                      "compared run pair(s)", soft_wrap=True)
         return
     comparison, diff = differing[0]
     console.print(f"[bold red]FAIL[/]: {len(differing)} of {compared} compared requests differ; first: "
                   f"{diff.label} (id {diff.request_id}) in {comparison.a.source} vs {comparison.b.source}, "
                   f"at generated token {diff.first_divergent_position} (engine step "
                   f"{diff.first_divergent_step} of B), max |Δ log-prob| {diff.max_abs_delta_log_prob:.3g}",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)
 
 
 def write_plot(result: ABResult, path: Path) -> None:
