@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -542,6 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"megatron-ext: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        # a second Ctrl-C during teardown (gloo, atexit) must not turn exit 130 into a traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(f"megatron-ext: {args.command} interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     finally:
