@@ -157,15 +157,13 @@ def _ab_case(args: argparse.Namespace):
     """The case of ``ab --case``: a shipped name, a case file, or a Megatron ``model_config.yaml``
     (then also its :class:`MegatronCase`, else None)."""
     from .harness.cases import CaseFileError, load_case
-    from .harness.megatron_case import is_megatron_case_file, load_megatron_case
+    from .harness.megatron_case import is_megatron_case_file, load_megatron_case, megatron_tokenizer
 
     if not is_megatron_case_file(args.case):
         return load_case(args.case), None
     megatron_case = load_megatron_case(Path(args.case), args.device, load_given=args.load is not None)
-    if megatron_case.tokenizer is not None:
-        kind, model = megatron_case.tokenizer
-        raise CaseFileError(f"{args.case}: --tokenizer-type {kind} (--tokenizer-model {model}): ab runs the "
-                            "byte-level tokenizer only for now; remove the tokenizer arguments from a copy of the file")
+    if megatron_case.tokenizer is not None and args.tokenizer is None:  # ab --tokenizer wins
+        args.tokenizer, args.tokenizer_library = megatron_tokenizer(megatron_case.tokenizer, args.case)
     if megatron_case.use_checkpoint_args and not (args.load or megatron_case.load):
         raise CaseFileError(f"{args.case}: --use-checkpoint-args without --load: give the checkpoint (ab --load DIR)")
     return megatron_case.case, megatron_case

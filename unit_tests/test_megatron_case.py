@@ -124,12 +124,18 @@ def test_mode_other_than_inference_is_refused(tmp_path):
         load_megatron_case(write(tmp_path, MODEL_ARGS, mode="pretraining"))
 
 
-def test_cli_refuses_a_tokenizer_it_cannot_load_with_one_line(tmp_path, capsys, monkeypatch):
+def test_tokenizer_arguments_become_ab_tokenizer_arguments(tmp_path, capsys, monkeypatch):
+    from megatron_ext.harness.megatron_case import megatron_tokenizer
+
+    assert megatron_tokenizer(("HuggingFaceTokenizer", "/t/dir"), "x") == ("/t/dir", "huggingface")
+    assert megatron_tokenizer(("TikTokenizer", "/t/v.json"), "x") == ("/t/v.json", "tiktoken")
+    with pytest.raises(CaseFileError, match="--tokenizer-type GPT2BPETokenizer: ab loads HuggingFaceTokenizer"):
+        megatron_tokenizer(("GPT2BPETokenizer", "/t/vocab"), "x")
+    # through the CLI: the file's tokenizer is loaded like ab --tokenizer, and a missing one is one line
     monkeypatch.setenv("CHECKPOINT_LOAD_PATH", str(tmp_path))
-    path = write(tmp_path, MODEL_ARGS)
-    assert cli.main(["ab", "--case", str(path), "--no-progress"]) == 2
+    assert cli.main(["ab", "--case", str(write(tmp_path, MODEL_ARGS)), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--tokenizer-type TikTokenizer" in err[0]
+    assert err == [f"megatron-ext: error: --tokenizer {tmp_path}/vocab.json: no such file or directory"]
 
 
 def test_llama_style_model_flags_map_to_the_model_section(tmp_path):

@@ -226,6 +226,33 @@ class _ArgReader:
         return [(arg, self.skipped.get(arg) or IGNORED.get(arg, unknown)) for arg in self.args if arg not in self.used]
 
 
+#: Megatron's ``--tokenizer-type`` -> megatron-core's tokenizer library (megatron.core.tokenizers).
+TOKENIZER_LIBRARIES = {
+    "HuggingFaceTokenizer": "huggingface",
+    "SentencePieceTokenizer": "sentencepiece",
+    "GPTSentencePieceTokenizer": "sentencepiece",
+    "TikTokenizer": "tiktoken",
+}
+
+
+def megatron_tokenizer(tokenizer: tuple[str, Optional[str]], source: str) -> tuple[str, str]:
+    """``(--tokenizer-type, --tokenizer-model)`` of a Megatron case -> ``(path, library)`` for
+    ``ab --tokenizer PATH --tokenizer-library LIB``.
+
+    Raises:
+        CaseFileError: a tokenizer type megatron-core's tokenizer stack does not load by path, or no
+            ``--tokenizer-model``.
+    """
+    kind, model = tokenizer
+    if kind not in TOKENIZER_LIBRARIES:
+        raise CaseFileError(f"{source}: --tokenizer-type {kind}: ab loads {', '.join(TOKENIZER_LIBRARIES)}; "
+                            "give another tokenizer with ab --tokenizer PATH --tokenizer-library LIB")
+    if not model:
+        raise CaseFileError(f"{source}: --tokenizer-type {kind} without --tokenizer-model; add it, or give "
+                            "ab --tokenizer PATH")
+    return model, TOKENIZER_LIBRARIES[kind]
+
+
 def _flag(value: Any) -> bool:
     if isinstance(value, bool):
         return value
