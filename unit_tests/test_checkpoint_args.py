@@ -16,6 +16,7 @@ reader of a checkpoint's common state (``checkpoint.read_common_state``).
 from __future__ import annotations
 
 import argparse
+import pickle
 import enum
 from pathlib import Path
 
@@ -194,6 +195,24 @@ def test_common_state_with_unknown_classes_reads_without_running_anything(tmp_pa
     assert isinstance(read.hook, UnloadedObject) and read.hook.name == f"{__name__}._must_not_run"
     assert read.params_dtype is torch.bfloat16
     assert model_spec_from_args(read, "c", LLAMA) == LLAMA
+
+
+def test_legacy_format_common_state_is_refused_without_running_anything(tmp_path):
+    # torch's legacy (non-zip) format reads its first object with pickle_module.load: a payload
+    # there once ran before any error
+    marker = tmp_path / "marker"
+    (tmp_path / "common.pt").write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(CheckpointError, match=r"common.pt: the save did not finish or the file is damaged "
+                                              r"\(not a torch zip archive\)"):
+        read_common_state(tmp_path)
+    assert not marker.exists() and _RAN == []
+
+
+@pytest.mark.parametrize("content", [b"", b"hello world", b"PK\x03\x04truncated"])
+def test_damaged_common_state_is_one_checkpoint_error(tmp_path, content):
+    (tmp_path / "common.pt").write_bytes(content)
+    with pytest.raises(CheckpointError, match="the save did not finish or the file is damaged"):
+        read_common_state(tmp_path)
 
 
 def test_common_state_missing_is_refused(tmp_path):

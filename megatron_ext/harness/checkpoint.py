@@ -28,6 +28,7 @@ import os
 import pickle
 import re
 import types
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
@@ -231,8 +232,13 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return lambda *args: UnloadedObject(f"{module}.{name}", args)
 
 
-#: ``pickle_module`` for ``torch.load``: the restricted unpickler above.
-_restricted_pickle = types.SimpleNamespace(Unpickler=_RestrictedUnpickler, load=pickle.load,
+def _restricted_load(handle: Any, **kwargs: Any) -> Any:
+    return _RestrictedUnpickler(handle, **kwargs).load()
+
+
+#: ``pickle_module`` for ``torch.load``: the restricted unpickler above, for ``Unpickler`` and
+#: ``load`` alike (torch's legacy, non-zip format reads through ``load``).
+_restricted_pickle = types.SimpleNamespace(Unpickler=_RestrictedUnpickler, load=_restricted_load,
                                            __name__="megatron_ext_restricted_pickle")
 
 
@@ -240,15 +246,20 @@ def _torch_load_common(buffer: io.BytesIO, where: str) -> Any:
     """``torch.load`` of common-state bytes: ``weights_only=True`` (megatron-core's safe globals)
     first; if the file holds a global outside that list (a class the installed release lacks),
     the restricted unpickler, which calls nothing named in the file."""
+    damaged = f"cannot read the common state of {where}: the save did not finish or the file is damaged"
+    if not zipfile.is_zipfile(buffer):  # torch's zip format only: the legacy one unpickles first
+        raise CheckpointError(f"{damaged} (not a torch zip archive)")
+    buffer.seek(0)
     try:
         return torch.load(buffer, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         buffer.seek(0)
+    except Exception as exc:  # noqa: BLE001 - a damaged or foreign file
+        raise CheckpointError(f"{damaged} ({type(exc).__name__}: {exc})") from None
     try:
         return torch.load(buffer, map_location="cpu", weights_only=False, pickle_module=_restricted_pickle)
     except Exception as exc:  # noqa: BLE001 - a damaged or foreign file
-        raise CheckpointError(f"cannot read the common state of {where} ({type(exc).__name__}: "
-                              f"{exc}); the save did not finish or the file is damaged") from None
+        raise CheckpointError(f"{damaged} ({type(exc).__name__}: {exc})") from None
 
 
 def read_common_state(path: PathLike) -> dict:
@@ -261,7 +272,8 @@ def read_common_state(path: PathLike) -> dict:
     that; 0.17 and 0.18's own reader cannot read it), the latter through
     ``torch.distributed.checkpoint``. Objects are rebuilt with ``torch.load(weights_only=True)``;
     objects of classes outside megatron-core's safe globals (e.g. enums of a newer release)
-    come back as :class:`UnloadedObject`, nothing in the file is executed.
+    come back as :class:`UnloadedObject`, and nothing the common state names is called. (The
+    ``.metadata`` index is read by torch's own unpickler: load only checkpoints you trust.)
 
     Args:
         path: the distributed checkpoint directory (holding ``metadata.json``).
@@ -288,11 +300,17 @@ def read_common_state(path: PathLike) -> dict:
         raise CheckpointError(f"{directory} holds no common state (no common.pt and no '{key}' "
                               "object in its .distcp files); save it again with megatron-core")
     buffer = {key: io.BytesIO()}
-    dcp.load(buffer, storage_reader=reader, no_dist=True)
+    try:
+        dcp.load(buffer, storage_reader=reader, no_dist=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged .distcp file
+        raise CheckpointError(f"cannot read '{key}' from the .distcp files of {directory} "
+                              f"({type(exc).__name__}: {exc}); save it again") from None
     loaded = buffer[key]
     if isinstance(loaded, io.BytesIO):
         loaded.seek(0)
         loaded = _torch_load_common(loaded, f"{directory} ('{key}')")
+    if not isinstance(loaded, (list, tuple)) or not loaded or not isinstance(loaded[0], dict):
+        raise CheckpointError(f"{directory}: '{key}' is not megatron-core's common state (a dict); save it again")
     return loaded[0]
 
 
