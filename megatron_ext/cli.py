@@ -82,8 +82,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
     if not _outputs_writable({"--json": args.json, "--plot": args.plot}) or not _plot_possible(args.plot):
         return 2
     case, megatron_case = _ab_case(args)
-    if megatron_case is not None:
-        tp, pp = megatron_case.tensor_model_parallel_size, megatron_case.pipeline_model_parallel_size
+    if megatron_case is not None:  # the file's layout where it gives one, else the command line's
+        tp = megatron_case.tensor_model_parallel_size or tp
+        pp = megatron_case.pipeline_model_parallel_size or pp
         if not _layout_fits(tp, pp, "ab"):
             return 2
         args.load = args.load or megatron_case.load
@@ -110,10 +111,6 @@ def cmd_ab(args: argparse.Namespace) -> int:
               "with a case file, set 'samples' and 'num_tokens_to_generate' per request in it", file=sys.stderr)
         return 2
     if args.top_n_logprobs is not None:
-        if args.top_n_logprobs > case.model.vocab_size:
-            print(f"megatron-ext: error: --top-n-logprobs {args.top_n_logprobs} exceeds the model's vocabulary of "
-                  f"{case.model.vocab_size} tokens; ask for at most that many", file=sys.stderr)
-            return 2
         case = case.model_copy(update={"sampling": case.sampling.model_copy(
             update={"top_n_logprobs": args.top_n_logprobs})})
     checkpoint = None

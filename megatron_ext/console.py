@@ -111,11 +111,19 @@ def library_output(path: Optional[Path]) -> Iterator[LibraryOutput]:
     if not saved:
         yield LibraryOutput(None, sys.stdout, sys.stderr)
         return
+    try:
+        log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as exc:
+        for copy in saved.values():
+            os.close(copy)
+        from .errors import MegatronExtError
+
+        raise MegatronExtError(f"cannot write the library log {path} ({exc.strerror}); set TMPDIR to a "
+                               "writable directory, or pass --verbose") from None
     sys.stdout.flush()
     sys.stderr.flush()
     real_out = os.fdopen(os.dup(saved[1]), "w", buffering=1, encoding="utf-8", errors="replace")
     real_err = os.fdopen(os.dup(saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
-    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for fd in (1, 2):
             os.dup2(log_fd, fd)

@@ -24,8 +24,12 @@ def name_set(name: str) -> set[str]:
     return {item.strip() for item in os.environ.get(name, "").split(",") if item.strip()}
 
 
+#: The longest timeout :func:`seconds` accepts (a week): larger values overflow ``timedelta``.
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
 def seconds(name: str, default: float) -> float:
-    """The environment variable ``name`` as a positive number of seconds, ``default`` when unset.
+    """The environment variable ``name`` as seconds in (0, :data:`MAX_SECONDS`], ``default`` when unset.
 
     Raises:
         MegatronExtError: it is set to something that is not a positive number (named, with the fix).
@@ -37,8 +41,9 @@ def seconds(name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not 0 < value <= MAX_SECONDS:
         from .errors import MegatronExtError
 
-        raise MegatronExtError(f"{name}={text!r} is not a positive number of seconds; set it to e.g. 120 or unset it")
+        raise MegatronExtError(f"{name}={text!r} is not a number of seconds in (0, {MAX_SECONDS:.0f}]; set it to "
+                               "e.g. 120 or unset it")
     return value

@@ -7,6 +7,7 @@ model or engine was built) fails the test.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -88,18 +89,34 @@ def test_plot_in_a_format_matplotlib_cannot_write_exits_2_before_running(tmp_pat
     assert "png" in line and line.endswith("not 'txt'; name the file e.g. delta.png")
 
 
-def test_top_n_above_the_vocabulary_exits_2_before_running(nothing_runs, capsys):
-    assert cli.main(["ab", "--top-n-logprobs", "100000", "--no-progress"]) == 2
-    assert one_error_line(capsys) == ("megatron-ext: error: --top-n-logprobs 100000 exceeds the model's vocabulary "
-                                      "of 257 tokens; ask for at most that many")
+def test_top_n_above_the_vocabulary_exits_2_before_building(monkeypatch, capsys, tmp_path):
+    for name in ("build_model", "build_engine", "apply"):
+        monkeypatch.setattr(ab, name, lambda *a, **k: pytest.fail("built something before refusing"))
+    assert cli.main(["ab", "--top-n-logprobs", "100000", "--no-progress", "--verbose"]) == 2
+    assert one_error_line(capsys) == ("megatron-ext: error: case 'rl_rollouts': top-n log-probs 100000 exceed the "
+                                      "model's vocabulary of 257 tokens; ask for at most that many")
+    case = tmp_path / "topn.yaml"  # the same from a case file
+    case.write_text("name: topn\nsampling: {top_n_logprobs: 5000}\nrequests: [{prompt: a}]\n")
+    assert cli.main(["ab", "--case", str(case), "--no-progress", "--verbose"]) == 2
+    assert "case 'topn': top-n log-probs 5000 exceed the model's vocabulary of 257" in one_error_line(capsys)
 
 
-def test_dist_timeout_that_is_not_a_number_exits_2(monkeypatch, capsys):
-    monkeypatch.setenv("MEGATRON_EXT_DIST_TIMEOUT_S", "abc")
+@pytest.mark.parametrize("value", ["abc", "inf", "1e300", "0"])
+def test_dist_timeout_that_is_not_a_sane_number_exits_2(monkeypatch, capsys, value):
+    monkeypatch.setenv("MEGATRON_EXT_DIST_TIMEOUT_S", value)
     monkeypatch.setattr(ab, "build_model", lambda *a, **k: pytest.fail("built a model"))
     assert cli.main(["ab", "--no-progress", "--verbose"]) == 2
-    assert one_error_line(capsys) == ("megatron-ext: error: MEGATRON_EXT_DIST_TIMEOUT_S='abc' is not a positive "
-                                      "number of seconds; set it to e.g. 120 or unset it")
+    assert one_error_line(capsys) == (f"megatron-ext: error: MEGATRON_EXT_DIST_TIMEOUT_S='{value}' is not a number "
+                                      "of seconds in (0, 604800]; set it to e.g. 120 or unset it")
+
+
+def test_library_log_that_cannot_be_written_is_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cli, "log_path", lambda command, rank: tmp_path / "missing" / f"{command}.log")
+    monkeypatch.setattr(ab, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    before = len(os.listdir("/proc/self/fd"))
+    assert cli.main(["ab", "--no-progress"]) == 2
+    assert one_error_line(capsys).startswith(f"megatron-ext: error: cannot write the library log {tmp_path}/missing/")
+    assert len(os.listdir("/proc/self/fd")) == before  # no file descriptor left open
 
 
 def test_skip_naming_no_patch_is_refused(monkeypatch, capsys):

@@ -56,3 +56,9 @@ def test_top_n_log_probs_compared_bitwise_when_recorded():
 def test_runs_must_hold_the_same_requests():
     with pytest.raises(ValueError, match=r"only in A \[7\], only in B \[\]"):
         compare_runs({7: out([1], [-0.5])}, {})
+
+
+def test_top_n_differing_only_in_an_extra_entry_names_a_position():
+    top = [[("a", -0.5)], [("c", -0.25)]]
+    diff = compare_request(out([1, 2], [-0.5, -0.25], top_n=top), out([1, 2], [-0.5, -0.25], top_n=top + [[("z", -9.0)]]))
+    assert (diff.top_n_logprobs_equal, diff.first_divergent_position, diff.first_divergent_step) == (False, 2, None)

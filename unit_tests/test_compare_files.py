@@ -144,3 +144,30 @@ def test_runs_made_with_different_tokenizers_are_refused(tmp_path, capsys):
     assert cli.main(["compare", f"{a}:off", f"{b}:off"]) == 0
     c = ab_json(tmp_path / "c.json")
     assert cli.main(["compare", f"{a}:off", f"{c}:off"]) == 0
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d["baseline"].update(outputs=[1]),
+    lambda d: d.update(requests=[1, 2]),
+    lambda d: d.update(requests=[{}]),
+    lambda d: d["policies"][0].pop("eviction_policy"),
+    lambda d: d.update(policies={"lru": 1}),
+])
+def test_edited_files_are_one_error_not_a_traceback(tmp_path, edit):
+    path = ab_json(tmp_path / "a.json")
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(RecordedRunError, match=r"a.json: not as 'ab --json' writes it"):
+        load_runs(path)
+
+
+def test_top_n_recorded_in_one_file_only_is_refused(tmp_path):
+    a, b = ab_json(tmp_path / "a.json"), ab_json(tmp_path / "b.json")
+    data = json.loads(b.read_text())
+    for run in [data["baseline"]] + [p["run"] for p in data["policies"]]:
+        run["outputs"]["7"]["top_n_logprobs"] = [[["x", -1.0]]] * 3
+    b.write_text(json.dumps(data))
+    (x, y), *_ = pair_runs(str(a), str(b))
+    with pytest.raises(RecordedRunError, match=r"only .*b.json:off recorded top-n log-probs"):
+        compare_recorded(x, y)

@@ -150,3 +150,14 @@ def test_llama_style_model_flags_map_to_the_model_section(tmp_path):
         "RMSNorm", True, "rope", 500000, False, 2, True)
     del args["--untie-embeddings-and-output-weights"]
     assert load_megatron_case(write(tmp_path, args)).case.model.untie_embeddings_and_output_weights is False
+
+
+def test_query_groups_only_with_group_query_attention_and_layout_only_when_given(tmp_path):
+    args = {k: v for k, v in MODEL_ARGS.items() if k not in ("--use-checkpoint-args", "--load", "--tokenizer-type",
+                                                                "--tokenizer-model", "--tensor-model-parallel-size",
+                                                                "--pipeline-model-parallel-size")}
+    mc = load_megatron_case(write(tmp_path, {**args, "--num-query-groups": 2}))
+    assert mc.case.model.num_query_groups is None  # Megatron-LM ignores it without the flag
+    assert (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size) == (None, None)
+    gqa = load_megatron_case(write(tmp_path, {**args, "--num-query-groups": 2, "--group-query-attention": True}))
+    assert gqa.case.model.num_query_groups == 2

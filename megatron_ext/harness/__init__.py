@@ -4,10 +4,15 @@ Nothing here is imported by a job that only applies the fixes (``megatron_ext.ap
 ``megatron_ext.auto``). The parts:
 
 * :mod:`.cases`: the case files (shipped YAMLs and the schema); :mod:`.soak`: generated cases;
-* :mod:`.engine`: model, context and engine built from a case; :mod:`.tokenizer`: the byte tokenizer;
+  :mod:`.prompts`: ``--prompts FILE``; :mod:`.megatron_case`: Megatron ``model_config.yaml`` files;
+* :mod:`.engine`: model, context and engine built from a case; :mod:`.tokenizer`: megatron-core's
+  tokenizers behind one wrapper (byte-level by default, ``--tokenizer PATH``);
 * :mod:`.step_loop`: drives the engine step by step, with the audits attached
   (:mod:`.audits`, one module per invariant); :mod:`.compare`: bit-for-bit comparison of two runs;
 * :mod:`.ab`: run A (caching off) and B (on, per eviction policy) and judge;
-  :mod:`.report`: the A/B tables and plot;
-* :mod:`.checkpoint`: ``--load`` / ``save-checkpoint``; :mod:`.distributed`: torchrun ranks.
+  :mod:`.report`: the tables, plots and verdicts of ``ab`` and ``compare``; :mod:`.recorded`: runs
+  read back from ab/soak JSON files (``compare``);
+* :mod:`.checkpoint`: ``--load`` / ``save-checkpoint``; :mod:`.checkpoint_args`: the model from and
+  to Megatron-LM's checkpoint args; :mod:`.distributed`: torchrun ranks;
+* :mod:`.factories`: small contexts and requests for tests and benchmarks.
 """

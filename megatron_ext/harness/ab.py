@@ -18,7 +18,7 @@ from .. import mcore
 from ..api import apply, revert
 from ..errors import DeviceUnavailableError
 from .audits import FAULT_OF_KIND
-from .cases import Case, PlannedRequest, plan_requests, validate_planned
+from .cases import Case, PlannedRequest, check_top_n_fits, plan_requests, validate_planned
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint, resolve_checkpoint
 from .checkpoint_args import checkpoint_model_spec
 from .compare import RequestDiff, RequestOutput, compare_runs
@@ -298,6 +298,7 @@ def run_ab(
         case, from_args = built_for, built_for is not case
     tokenizer = tokenizer or default_tokenizer()
     check_vocab_fits(tokenizer, case.model.vocab_size, f"case {case.name}")
+    check_top_n_fits(case)
     planned = plan_requests(case, tokenizer)
     validate_planned(planned)  # bad input is refused before anything is built
     patch_results = apply() if patched else revert()

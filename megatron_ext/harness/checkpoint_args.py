@@ -171,6 +171,10 @@ def model_spec_from_args(args: Any, where: str, base: Optional[ModelSpec] = None
         raise CheckpointError(f"{where}: the checkpoint's args lack {', '.join(missing)}; pass a --case "
                               "whose model section describes the checkpoint's model")
     heads, hidden = args.num_attention_heads, args.hidden_size
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (heads, hidden, args.num_layers)):
+        raise CheckpointError(f"{where}: the checkpoint's args give num_layers={args.num_layers!r}, "
+                              f"hidden_size={hidden!r}, num_attention_heads={heads!r}: positive integers "
+                              "expected; pass a --case whose model section describes the checkpoint's model")
     kv_channels = getattr(args, "kv_channels", None)
     swiglu = bool(getattr(args, "swiglu", False))
     ffn = getattr(args, "ffn_hidden_size", None)
@@ -215,4 +219,8 @@ def checkpoint_model_spec(source: CheckpointSource, base: Optional[ModelSpec] = 
     args = read_common_state(source.path).get("args")
     if args is None:
         return None
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(f"--load {source.requested}: the common state's 'args' is a "
+                              f"{type(args).__name__}, not Megatron-LM's argparse.Namespace; pass a --case "
+                              "whose model section describes the checkpoint's model")
     return model_spec_from_args(args, f"--load {source.requested}", base)

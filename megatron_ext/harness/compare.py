@@ -99,6 +99,8 @@ def compare_request(a: RequestOutput, b: RequestOutput) -> RequestDiff:
     if top_n:
         top_n_equal = len(a.top_n_logprobs) == len(b.top_n_logprobs) and all(
             _same_top_n(a.top_n_logprobs, b.top_n_logprobs, i) for i in range(len(a.top_n_logprobs)))
+        if first is None and not top_n_equal:  # they differ only past the tokens both produced
+            first = min(len(a.top_n_logprobs), len(b.top_n_logprobs), common)
     finite = [d for d in deltas if not math.isnan(d)]
     return RequestDiff(
         request_id=a.request_id,

@@ -123,7 +123,8 @@ class MegatronCase:
         use_checkpoint_args: the model is to be built from the checkpoint's arguments.
         tokenizer: ``(tokenizer type, tokenizer model path)`` from ``--tokenizer-type`` /
             ``--tokenizer-model``, or None.
-        tensor_model_parallel_size, pipeline_model_parallel_size: the layout the file asks for.
+        tensor_model_parallel_size, pipeline_model_parallel_size: the layout the file asks for,
+            None where it does not say (the command line's then holds).
         ignored: ``(argument, why)`` for every argument that changes nothing ab compares.
         notes: ``(argument, how it was mapped)`` where Megatron's meaning differs from ab's.
     """
@@ -132,8 +133,8 @@ class MegatronCase:
     load: Optional[str] = None
     use_checkpoint_args: bool = False
     tokenizer: Optional[tuple[str, Optional[str]]] = None
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_size: Optional[int] = None
     ignored: list[tuple[str, str]] = field(default_factory=list)
     notes: list[tuple[str, str]] = field(default_factory=list)
 
@@ -293,8 +294,8 @@ def _build(path: Path, args: _ArgReader, device: str) -> MegatronCase:
         load=args.get("--load", str),
         use_checkpoint_args=use_checkpoint_args,
         tokenizer=(tokenizer_type, args.get("--tokenizer-model", str)) if tokenizer_type else None,
-        tensor_model_parallel_size=args.get("--tensor-model-parallel-size", int, 1),
-        pipeline_model_parallel_size=args.get("--pipeline-model-parallel-size", int, 1),
+        tensor_model_parallel_size=args.get("--tensor-model-parallel-size", int),
+        pipeline_model_parallel_size=args.get("--pipeline-model-parallel-size", int),
         ignored=args.ignored(),
         notes=notes,
     )
@@ -326,7 +327,10 @@ def _model(args: _ArgReader) -> dict[str, Any]:
     from .cases import ModelSpec
 
     model: dict[str, Any] = {}
+    gqa = args.get("--group-query-attention", _flag, False)
     for arg, name in MODEL_FIELDS.items():
+        if arg == "--num-query-groups" and not gqa:
+            continue  # Megatron-LM uses it only with --group-query-attention
         if arg in args.args:
             if name not in ModelSpec.model_fields:
                 raise CaseFileError(f"{args.path}: refused: {arg} (this megatron-ext's model section has no "
@@ -343,7 +347,7 @@ def _model(args: _ArgReader) -> dict[str, Any]:
             raise CaseFileError(f"{args.path}: refused: --disable-bias-linear (this megatron-ext's model section "
                                 "has no 'add_bias_linear')")
         model["add_bias_linear"] = False
-    if args.get("--group-query-attention", _flag, False) and "num_query_groups" not in model:
+    if gqa and "num_query_groups" not in model:
         raise CaseFileError(f"{args.path}: --group-query-attention needs --num-query-groups")
     return model
 

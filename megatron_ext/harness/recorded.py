@@ -109,23 +109,22 @@ def load_runs(path: Path) -> dict[str, RecordedRun]:
                                "file 'ab --json' or 'soak --json' wrote")
     context = (f"case {data.get('case', '?')}, megatron-core {data.get('megatron_core_version', '?')}, "
                f"device {data.get('device', '?')}")
-    requests = {r["request_id"]: r for r in data.get("requests", [])}
-    runs = [(CACHING_OFF, data["baseline"])] + [(p["eviction_policy"], p["run"]) for p in data["policies"]]
     tokenizer = data.get("tokenizer")
-    return {name: RecordedRun(path, f"{path}:{name}", name, _outputs(run, path), requests, context,
-                              tokenizer if isinstance(tokenizer, dict) else None)
-            for name, run in runs}
+    try:  # an edited or foreign file: any shape error is one line, not a traceback
+        requests = {r["request_id"]: r for r in data.get("requests", [])}
+        runs = [(CACHING_OFF, data["baseline"])] + [(p["eviction_policy"], p["run"]) for p in data["policies"]]
+        return {name: RecordedRun(path, f"{path}:{name}", name, _outputs(run), requests, context,
+                                  tokenizer if isinstance(tokenizer, dict) else None)
+                for name, run in runs}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise RecordedRunError(f"{path}: not as 'ab --json' writes it ({type(exc).__name__}: {exc}); "
+                               "pass an unedited 'ab --json' or 'soak --json' file") from None
 
 
-def _outputs(run: dict[str, Any], path: Path) -> dict[int, RequestOutput]:
-    try:
-        return {int(rid): RequestOutput(int(rid), o["label"], 0, list(o["tokens"]),
-                                        [float(x) for x in o["log_probs"]], list(o["token_steps"]),
-                                        _top_n(o.get("top_n_logprobs")))
-                for rid, o in run["outputs"].items()}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RecordedRunError(f"{path}: a run's outputs are malformed ({type(exc).__name__}: {exc}); "
-                               "pass an unedited 'ab --json' file") from None
+def _outputs(run: dict[str, Any]) -> dict[int, RequestOutput]:
+    return {int(rid): RequestOutput(int(rid), o["label"], 0, list(o["tokens"]), [float(x) for x in o["log_probs"]],
+                                    list(o["token_steps"]), _top_n(o.get("top_n_logprobs")))
+            for rid, o in run["outputs"].items()}
 
 
 def _top_n(entries: Optional[list]) -> Optional[list[list[tuple[str, float]]]]:
@@ -177,6 +176,10 @@ def compare_recorded(a: RecordedRun, b: RecordedRun) -> RunComparison:
         only_a, only_b = sorted(a.outputs.keys() - b.outputs.keys()), sorted(b.outputs.keys() - a.outputs.keys())
         raise RecordedRunError(f"{a.source} and {b.source} hold other requests: request IDs only in A "
                                f"{only_a[:8]}, only in B {only_b[:8]}; compare runs of the same case")
+    recorded = [run.source for run in (a, b) if any(o.top_n_logprobs is not None for o in run.outputs.values())]
+    if len(recorded) == 1:
+        raise RecordedRunError(f"only {recorded[0]} recorded top-n log-probs; compare runs made with the same "
+                               "--top-n-logprobs")
     for rid in sorted(a.outputs):
         mismatch = _prompt_mismatch(a, b, rid)
         if mismatch:

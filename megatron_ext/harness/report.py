@@ -142,7 +142,8 @@ def print_comparison(comparisons: Sequence[RunComparison], console: Console, onl
     console.print(f"[bold red]FAIL[/]: {len(differing)} of {compared} compared requests differ; first: "
                   f"{diff.label} (id {diff.request_id}) in {comparison.a.source} vs {comparison.b.source}, "
                   f"at generated token {diff.first_divergent_position} (engine step "
-                  f"{diff.first_divergent_step} of B), max |Δ log-prob| {diff.max_abs_delta_log_prob:.3g}",
+                  f"{'-' if diff.first_divergent_step is None else diff.first_divergent_step} of B), "
+                  f"max |Δ log-prob| {diff.max_abs_delta_log_prob:.3g}",
                   highlight=False, soft_wrap=True)
 
 

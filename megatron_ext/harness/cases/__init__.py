@@ -246,6 +246,18 @@ def sequence_too_long(inference: InferenceSpec, prompt_tokens: int, generated: i
             "shorten the prompt or raise max_sequence_length")
 
 
+def check_top_n_fits(case: Case) -> None:
+    """Refuse top-n log-probs wider than the model's vocabulary (megatron-core's top-k then raises
+    at the first step). Call once the model is settled (a checkpoint's args may change it).
+
+    Raises:
+        CaseFileError: ``sampling.top_n_logprobs`` exceeds ``model.vocab_size`` (both named).
+    """
+    if case.sampling.top_n_logprobs > case.model.vocab_size:
+        raise CaseFileError(f"case '{case.name}': top-n log-probs {case.sampling.top_n_logprobs} exceed the "
+                            f"model's vocabulary of {case.model.vocab_size} tokens; ask for at most that many")
+
+
 def validate_planned(planned: list[PlannedRequest]) -> None:
     """Refuse requests the engine must not be given; call before building or stepping anything.
 
