@@ -131,6 +131,10 @@ def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
     finds nothing registered. Requests admitted afterwards match only blocks cached afterwards;
     live requests keep their blocks (see :mod:`megatron_ext.patches.weight_update_invalidation`).
 
+    On a megatron-core tree carrying the source patches (``megatron-ext patch-source``) the
+    runtime patch is "not needed" and not applied: the context's own source-patched
+    ``invalidate_prefix_cache()`` does the same flush and its counts are returned.
+
     Args:
         target: a ``DynamicInferenceEngine`` or a ``DynamicInferenceContext``.
 
@@ -141,8 +145,9 @@ def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
     Raises:
         TypeError: ``target`` is neither an engine nor a context.
         WeightUpdatePatchNotApplied: the ``weight-update-invalidation`` patch is not applied
-            (call :func:`apply` first); without it, a chunked prefill straddling the update
-            would register blocks computed from the old weights' KV.
+            (call :func:`apply` first) and the installed code is not source-patched; without
+            either, a chunked prefill straddling the update would register blocks computed from
+            the old weights' KV.
         MegatronExtError: ``MEGATRON_EXT_ON_WEIGHT_UPDATE`` has a bad value.
     """
     from .patches import weight_update_invalidation as fault8
@@ -155,8 +160,15 @@ def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
         return fault8.InvalidationResult(kept=True)
     patch = next(p for p in ALL_PATCHES if p.name == "weight-update-invalidation")
     with _LOCK:
-        if not patch.is_applied():
-            raise WeightUpdatePatchNotApplied(
-                "invalidate_prefix_cache needs the weight-update-invalidation patch: call megatron_ext.apply() "
-                "first (megatron_ext.status() says why it is not applied)")
-    return fault8.flush(context)
+        if patch.is_applied():
+            return fault8.flush(context)
+        try:
+            source_patched = not patch.needed()[0]
+        except Exception:  # an unreadable source is no evidence of the fix (as in plan())
+            source_patched = False
+    if source_patched:
+        unreachable, freed = context.invalidate_prefix_cache()
+        return fault8.InvalidationResult(blocks_unreachable=unreachable, blocks_freed=freed)
+    raise WeightUpdatePatchNotApplied(
+        "invalidate_prefix_cache needs the weight-update-invalidation patch: call megatron_ext.apply() "
+        "first (megatron_ext.status() says why it is not applied)")

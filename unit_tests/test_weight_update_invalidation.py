@@ -6,7 +6,9 @@ hands out [6, 7] first. Prompts: A is two blocks, B one block. The weight update
 loop does: ``engine.resume()`` after ``suspend()`` (the context's buffers reallocated),
 ``swap_model_weights``, or ``megatron_ext.invalidate_prefix_cache``. With
 ``MEGATRON_EXT_TEST_UNPATCHED=1`` every test that flushes fails (on every release: no release
-has a fix).
+has a fix). With ``MEGATRON_EXT_TEST_SOURCE_PATCHED=1`` (functional_tests/test_source_patches.py)
+the same behaviour tests run against the source patches of ``patches/`` with no runtime patch
+applied; the tests of megatron-ext's own wrapping machinery are skipped there.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import megatron_ext
 from megatron_ext.cpu_backend import cuda_on_cpu
 from megatron_ext.errors import MegatronExtError, WeightUpdatePatchNotApplied
 from megatron_ext.harness.factories import small_prefix_caching_context
+from megatron_ext.patches import ALL_PATCHES
 from megatron_ext.patches import weight_update_invalidation as fault8
 
-from .conftest import UNPATCHED
+from .conftest import SOURCE_PATCHED, UNPATCHED
 from .context_factory import BLOCK, finish_chunk, make_request
 
 A = list(range(1000, 1032))
@@ -177,6 +180,8 @@ def test_swap_model_weights_flushes_every_context_at_its_next_prefix_match(ctx):
     assert fault8.context_epoch(ctx) == epoch + 1
 
 
+@pytest.mark.skipif(SOURCE_PATCHED, reason="the runtime wrapper of swap_model_weights is megatron-ext's; "
+                    "source-patched code bumps the weight version inside swap_model_weights itself")
 def test_swap_model_weights_is_restored_by_revert(runtime_patches):
     refit = importlib.import_module(fault8.REFIT_MODULE)
     package = importlib.import_module("megatron.core.resharding")
@@ -204,6 +209,8 @@ def test_api_takes_an_engine_or_a_context_and_refuses_anything_else(ctx):
 
 
 @pytest.mark.skipif(UNPATCHED, reason="the API itself is megatron-ext's")
+@pytest.mark.skipif(SOURCE_PATCHED, reason="keep governs the runtime patch; source-patched code always "
+                    "invalidates (test_source_patched_tree_needs_no_runtime_patch_and_the_api_flushes_it)")
 def test_keep_leaves_the_patch_out_and_invalidate_does_nothing(ctx, monkeypatch):
     megatron_ext.revert()
     monkeypatch.setenv(fault8.ON_WEIGHT_UPDATE_ENV, "keep")
@@ -222,12 +229,15 @@ def test_a_bad_mode_is_one_line_naming_the_values(monkeypatch):
 
 
 @pytest.mark.skipif(UNPATCHED, reason="the API itself is megatron-ext's")
+@pytest.mark.skipif(SOURCE_PATCHED, reason="a source-patched context flushes itself without the patch")
 def test_invalidate_without_the_patch_says_to_apply_it(ctx):
     megatron_ext.revert()
     with pytest.raises(WeightUpdatePatchNotApplied, match=r"call megatron_ext.apply\(\) first"):
         megatron_ext.invalidate_prefix_cache(ctx)
 
 
+@pytest.mark.skipif(SOURCE_PATCHED, reason="the runtime patch is not needed on source-patched code: "
+                    "nothing is wrapped")
 def test_auto_apply_wraps_swap_model_weights_imported_after_it():
     """Importing the refit package imports the dynamic context first, where MEGATRON_EXT_AUTO
     applies: the refit module is wrapped by a post-import hook when it has loaded."""
@@ -241,6 +251,7 @@ def test_auto_apply_wraps_swap_model_weights_imported_after_it():
 
 
 @pytest.mark.skipif(UNPATCHED, reason="the hook itself is megatron-ext's")
+@pytest.mark.skipif(SOURCE_PATCHED, reason="the hook is the runtime patch's; source-patched code needs none")
 def test_a_half_imported_refit_module_is_wrapped_at_the_next_prefix_match(ctx, monkeypatch):
     refit = importlib.import_module(fault8.REFIT_MODULE)
     megatron_ext.revert()
@@ -252,3 +263,39 @@ def test_a_half_imported_refit_module_is_wrapped_at_the_next_prefix_match(ctx, m
     ctx.add_request(make_request(1, A))
     assert not fault8.SWAP_HOOK.pending
     assert refit.swap_model_weights.__wrapped__ is original
+
+
+@pytest.mark.skipif(not SOURCE_PATCHED, reason="needs a tree carrying the source patches of patches/")
+def test_source_patched_tree_needs_no_runtime_patch_and_the_api_flushes_it(ctx, mcore_version, monkeypatch):
+    states = {r.patch: r for r in megatron_ext.status()}
+    state = states["weight-update-invalidation"]
+    assert state.state.value == "not needed"
+    assert f"source-patched code of patches/ for {mcore_version}" in state.evidence
+    ctx.add_request(make_request(1, A))  # row 0 holds [6, 7]
+    assert megatron_ext.invalidate_prefix_cache(ctx) == fault8.InvalidationResult(blocks_unreachable=2)
+    assert registered(ctx) == {} and fault8.context_epoch(ctx) == ctx.prefix_cache_epoch == 1
+    # keep only governs the runtime patch: status says so, the source-patched code still flushes
+    monkeypatch.setenv(fault8.ON_WEIGHT_UPDATE_ENV, "keep")
+    state = {r.patch: r for r in megatron_ext.status()}["weight-update-invalidation"]
+    assert state.state.value == "not needed" and "keep does not apply to source-patched code" in state.reason
+
+
+@pytest.mark.skipif(UNPATCHED or SOURCE_PATCHED, reason="the API's source-patched path, on released code")
+def test_api_calls_the_contexts_own_flush_where_the_runtime_patch_is_not_needed(monkeypatch):
+    """The dispatch of :func:`megatron_ext.invalidate_prefix_cache` on a source-patched tree,
+    with a stand-in context: the patch reports "not needed", so its flush must not run."""
+    calls = []
+
+    class SourcePatchedContext:
+        kv_block_allocator = object()
+
+        def invalidate_prefix_cache(self):
+            calls.append("context")
+            return 3, 2
+
+    monkeypatch.setattr(fault8, "flush", lambda context: calls.append("runtime"))
+    patch = next(p for p in ALL_PATCHES if p.name == "weight-update-invalidation")
+    monkeypatch.setattr(patch, "needed", lambda: (False, "source-patched"))
+    engine = type("Engine", (), {"context": SourcePatchedContext()})()
+    assert megatron_ext.invalidate_prefix_cache(engine) == fault8.InvalidationResult(3, 2)
+    assert calls == ["context"]

@@ -30,6 +30,13 @@ own thread, at the same step on every rank); and the explicit
 :func:`megatron_ext.invalidate_prefix_cache`. ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep`` leaves the
 patch out (upstream behaviour). No upstream change to mirror: no release and not upstream main
 (2026-08-22) invalidates or salts the prefix cache on a weight update.
+
+The source patches of ``patches/`` (``0006-weight-update-invalidation`` on 0.17/0.18,
+``0004-`` on 0.19) put the same fix into the code: ``DynamicInferenceContext.invalidate_prefix_cache()``,
+``prefix_cache_epoch``, ``megatron.core.inference.contexts.dynamic_context.notify_model_weight_update``
+(called by ``swap_model_weights``). On such a tree this patch is "not needed" (recognised by the
+source-patched fingerprints of the three functions it wraps), and source-patched code invalidates
+whatever ``MEGATRON_EXT_ON_WEIGHT_UPDATE`` says: revert the source patches for upstream behaviour.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ EPOCH_ATTR = "_megatron_ext_prefix_cache_epoch"
 SEEN_VERSION_ATTR = "_megatron_ext_weight_version_seen"
 #: Per request: the context epoch in which its prefill began (set by ``add_request``).
 REQUEST_EPOCH_ATTR = "_megatron_ext_prefill_epoch"
+#: The source-patched context's own flush count (patches/: ``prefix_cache_epoch``).
+SOURCE_EPOCH_ATTR = "prefix_cache_epoch"
 
 # Recorded from the released wheels with scripts/record_fingerprints.py.
 _COMMON = {
@@ -81,6 +90,10 @@ _V019 = {**_COMMON,
          "KVBlockAllocator.release_memory_blocks": "8ba279d0ba796a52"}
 FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018,
                 "0.19.0": _V019, "0.19.2": _V019}
+
+#: The three wrapped functions after the source patches of ``patches/`` (already fixed code);
+#: recorded with ``scripts/record_fingerprints.py --source-patched``.
+SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {}
 
 #: Bumped by every ``swap_model_weights`` call; contexts flush when theirs is behind.
 _current_version = 0
@@ -114,15 +127,25 @@ def on_weight_update_mode() -> str:
     return choice(ON_WEIGHT_UPDATE_ENV, ON_WEIGHT_UPDATE_MODES)
 
 
-def context_epoch(context: Any) -> int:
-    """How many times this context's prefix cache was flushed (0 before the first flush)."""
+def _runtime_epoch(context: Any) -> int:
     return context.__dict__.get(EPOCH_ATTR, 0)
 
 
+def context_epoch(context: Any) -> int:
+    """How many times this context's prefix cache was flushed (0 before the first flush).
+
+    The runtime patch's count once it has flushed the context; otherwise a source-patched
+    context's own ``prefix_cache_epoch`` (0 on released code, which never flushes).
+    """
+    if EPOCH_ATTR in context.__dict__:
+        return context.__dict__[EPOCH_ATTR]
+    return getattr(context, SOURCE_EPOCH_ATTR, 0)
+
+
 def is_stale(context: Any, req: Any) -> bool:
-    """Whether ``req`` began its prefill before the context's last flush (untagged: not yet
-    admitted, so not stale)."""
-    return req.__dict__.get(REQUEST_EPOCH_ATTR, context_epoch(context)) != context_epoch(context)
+    """Whether ``req`` began its prefill before the context's last flush by this patch
+    (untagged: not yet admitted, so not stale)."""
+    return req.__dict__.get(REQUEST_EPOCH_ATTR, _runtime_epoch(context)) != _runtime_epoch(context)
 
 
 def flush(context: Any) -> InvalidationResult:
@@ -136,7 +159,7 @@ def flush(context: Any) -> InvalidationResult:
         hold are unchanged.
     """
     with _LOCK:
-        context.__dict__[EPOCH_ATTR] = context_epoch(context) + 1
+        context.__dict__[EPOCH_ATTR] = _runtime_epoch(context) + 1
         context.__dict__[SEEN_VERSION_ATTR] = _current_version
         allocator = context.kv_block_allocator
         if not allocator.enable_prefix_caching:
@@ -201,7 +224,7 @@ def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: d
     _sync_weight_version(context)
     req = _request_of(args, kwargs)
     if req.finished_chunk_token_count == 0:  # a new request, or one re-added from scratch
-        req.__dict__[REQUEST_EPOCH_ATTR] = context_epoch(context)
+        req.__dict__[REQUEST_EPOCH_ATTR] = _runtime_epoch(context)
     if not is_stale(context, req):
         return wrapped(*args, **kwargs)
     hashes, req.precomputed_block_hashes = req.precomputed_block_hashes, []
@@ -247,11 +270,25 @@ class WeightUpdateInvalidationPatch(Patch):
         return (*self.wrappers(), DEREGISTER, RELEASE)
 
     def needed(self) -> tuple[bool, str]:
+        """Not needed only where all three functions it wraps are megatron-ext's source-patched
+        code (``patches/``) of one release."""
+        found = {t.qualname: fingerprint(t.original()) for t in self.wrappers()}
+        releases = [r for r, fixed in SOURCE_PATCHED_FINGERPRINTS.items() if fixed == found]
+        if releases:
+            names = ", ".join(f"{name.split('.')[-1]} {digest}" for name, digest in found.items())
+            return False, (f"fingerprints {names} are the source-patched code of patches/ for "
+                           f"{', '.join(releases)}")
         return True, ("no megatron-core release up to 0.19.2 (nor upstream main) drops or salts the "
                       "prefix cache when weights change")
 
     def plan(self, version: str, force: bool) -> PatchResult:
         if on_weight_update_mode() == "keep" and not self.is_applied():
+            planned = super().plan(version, force)
+            if planned.state is PatchState.NOT_NEEDED:
+                # the env variable only governs this patch: source-patched code always invalidates
+                return self.result(PatchState.NOT_NEEDED, f"the installed code does not have this fault; "
+                                   f"{ON_WEIGHT_UPDATE_ENV}=keep does not apply to source-patched code "
+                                   "(revert the source patches for upstream behaviour)", planned.evidence)
             return self.result(PatchState.NOT_APPLIED, f"{ON_WEIGHT_UPDATE_ENV}=keep: prefix-cached KV "
                                "is reused across weight updates (upstream behaviour)")
         return super().plan(version, force)
