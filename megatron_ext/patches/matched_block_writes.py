@@ -56,15 +56,17 @@ FINGERPRINTS = {
 }
 
 
-#: ``add_request`` after the source patch of ``patches/`` (scripts/record_fingerprints.py
-#: --source-patched): code that already has the fix, so the runtime patch is not needed.
+#: ``add_request`` after the source patches of ``patches/`` (scripts/record_fingerprints.py
+#: --source-patched): code that already has the fix, so the runtime patch is not needed. The
+#: whole series applies, so these include the later patches that edit add_request too (fixes 4
+#: and 8).
 SOURCE_PATCHED_FINGERPRINTS = {
-    "0.17.0": "4b5c23b4090091de",
-    "0.17.1": "4b5c23b4090091de",
-    "0.18.0": "acf1424e49369b76",
-    "0.18.2": "acf1424e49369b76",
-    "0.19.0": "b38d4e85147ba316",
-    "0.19.2": "b38d4e85147ba316",
+    "0.17.0": "e3ba4f324bc80659",
+    "0.17.1": "e3ba4f324bc80659",
+    "0.18.0": "8ccc0da34876dc63",
+    "0.18.2": "8ccc0da34876dc63",
+    "0.19.0": "dfe84e8bedd5fac2",
+    "0.19.2": "dfe84e8bedd5fac2",
 }
 
 

@@ -93,7 +93,16 @@ FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V0
 
 #: The three wrapped functions after the source patches of ``patches/`` (already fixed code);
 #: recorded with ``scripts/record_fingerprints.py --source-patched``.
-SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {}
+_SOURCE_COMMON = {
+    "DynamicInferenceContext._find_kv_match_count": "fa3ca2becb16eec6",
+    "DynamicInferenceContext.reinitialize_inference_state_buffers": "35077e02b99f9b94",
+}
+_SOURCE_V017 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "e3ba4f324bc80659"}
+_SOURCE_V018 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "8ccc0da34876dc63"}
+_SOURCE_V019 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "dfe84e8bedd5fac2"}
+SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
+    "0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "0.18.0": _SOURCE_V018, "0.18.2": _SOURCE_V018,
+    "0.19.0": _SOURCE_V019, "0.19.2": _SOURCE_V019}
 
 #: Bumped by every ``swap_model_weights`` call; contexts flush when theirs is behind.
 _current_version = 0
