@@ -69,3 +69,12 @@ def test_readme_names_the_supported_releases():
     text = (REPO / "README.md").read_text()
     listed = re.search(r"\(supported: ([0-9., ]+)\)", text).group(1)
     assert tuple(listed.split(", ")) == SUPPORTED
+
+
+def test_source_patched_fingerprints_cover_exactly_the_supported_releases():
+    # needed() answers "not needed" only for a release listed here: a release missing from one
+    # table would get that runtime patch refused on its source-patched tree
+    from megatron_ext.patches import lru_resume_evictable, matched_block_writes, weight_update_invalidation
+
+    for module in (matched_block_writes, lru_resume_evictable, weight_update_invalidation):
+        assert tuple(module.SOURCE_PATCHED_FINGERPRINTS) == SUPPORTED, module.__name__
