@@ -84,6 +84,28 @@ def test_default_ab_case_passes_on_source_patched_tree(tmp_path):
     assert {p["state"] for p in payload["patches"]} == {"not needed"}
 
 
+@pytest.mark.slow
+def test_resume_after_suspend_serves_no_cached_block_source_patched_as_runtime_patched(tmp_path):
+    """Engine level, on the newest release of the series: ``engine.resume()`` after ``suspend()``
+    flushes the prefix cache in the source-patched code exactly as the runtime patch does."""
+    def rounds(tree, mode):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_EXT_")}
+        if tree is not None:
+            env["PYTHONPATH"] = str(tree)
+        done = subprocess.run([sys.executable, "-W", "ignore", "-m", "functional_tests.suspend_resume_rounds", mode],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    source = rounds(patched_tree(RELEASES[-1], tmp_path), "apply")
+    runtime = rounds(pristine_tree(RELEASES[-1], tmp_path / "pristine"), "apply")
+    assert (source["weight_update_patch"], runtime["weight_update_patch"]) == ("not needed", "applied")
+    assert source["blocks_matched"] == runtime["blocks_matched"]
+    lru, ref_zero = source["blocks_matched"]["lru"], source["blocks_matched"]["ref_zero"]
+    # round 2 matches only within itself (as round 1); round 3 matches round 2's cached blocks
+    assert lru[0] == lru[1] < lru[2] and ref_zero[0] == ref_zero[1] == ref_zero[2] > 0
+
+
 def test_already_patched_and_foreign_trees_are_refused(tmp_path):
     tree = pristine_tree(RELEASES[-1], tmp_path)
     patch_source(tree)
