@@ -56,6 +56,8 @@ RESET = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.reset")
 EVICT = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.evict_lru_blocks")
 # Relied on: the only caller of register_kv_block_hashes, with the block table row laid out.
 ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
+# Every prefix lookup: the first call after apply() may be one, before any allocator call.
+FIND_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._find_kv_match_count")
 
 # Recorded from the released wheels with scripts/record_fingerprints.py.
 _V017 = {
@@ -65,6 +67,7 @@ _V017 = {
     "KVBlockAllocator.reset": "44c8ea2ff721d0a6",
     "KVBlockAllocator.evict_lru_blocks": "efda579264685c4d",
     "DynamicInferenceContext.add_request": "8ac0ab32824d8700",
+    "DynamicInferenceContext._find_kv_match_count": "89289c465254fc71",
 }
 _V018 = {
     **_V017,
@@ -292,6 +295,14 @@ def evict_leaves_first(allocator: Any, num_blocks_needed: int) -> bool:
     return True
 
 
+def _find_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
+    """A lookup walks a matched chain down to its root: resync first, so no unlinked cached
+    block (a child whose parent the released code evicted) is ever matched."""
+    if uses_lru_prefix_caching(context.kv_block_allocator):
+        sync_forest(context.kv_block_allocator)
+    return wrapped(*args, **kwargs)
+
+
 def _evict_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> bool:
     """Replaces the released eviction: ``wrapped`` is never called."""
     num_blocks_needed = kwargs["num_blocks_needed"] if "num_blocks_needed" in kwargs else args[0]
@@ -331,10 +342,10 @@ class LeafFirstEvictionPatch(Patch):
 
     def wrappers(self) -> dict[Target, Callable]:
         return {INIT: _init_wrapper, REGISTER: _register_wrapper, DEREGISTER: _deregister_wrapper,
-                RESET: _reset_wrapper, EVICT: _evict_wrapper}
+                RESET: _reset_wrapper, EVICT: _evict_wrapper, FIND_MATCH: _find_match_wrapper}
 
     def checked_functions(self) -> tuple[Target, ...]:
-        return (INIT, REGISTER, DEREGISTER, RESET, EVICT, ADD_REQUEST)
+        return (INIT, REGISTER, DEREGISTER, RESET, EVICT, FIND_MATCH, ADD_REQUEST)
 
     def needed(self) -> tuple[bool, str]:
         return probe_eviction_order(EVICT.original())
