@@ -91,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--release-rounds", type=int, help="override section 1's rounds")
     parser.add_argument("--e2e-runs", type=int, help="override section 3's runs per variant")
     parser.add_argument("--lru-runs", type=int, help="override section 5's runs per variant")
+    parser.add_argument("--wu-releases", type=lambda t: [v.strip() for v in t.split(",") if v.strip()],
+                        metavar="VERSIONS", help="section 6's releases, comma-separated (default: "
+                        "0.19.2,0.18.2,0.17.1; --short: 0.19.2)")
+    parser.add_argument("--wu-e2e-runs", type=int, help="override section 6's engine runs per variant")
     parser.add_argument("--sections", type=section_list, default=list(SECTIONS), metavar="NAMES",
                         help=f"comma-separated sections to run (default: all: {','.join(SECTIONS)}; "
                              "scaling comes with release)")
@@ -111,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         config.e2e_runs = args.e2e_runs
     if args.lru_runs:
         config.lru_runs = args.lru_runs
+    if args.wu_releases:
+        config.wu_releases = args.wu_releases
+    if args.wu_e2e_runs:
+        config.wu_e2e_runs = args.wu_e2e_runs
     console = Console(width=max(Console().width, 220) if not sys.stdout.isatty() else None)
     err = Console(stderr=True, soft_wrap=True)
     progress = (lambda message: None) if args.quiet else (lambda message: err.print(f"[dim]{message}[/]"))
