@@ -175,13 +175,15 @@ def weight_update_tables(section: dict[str, Any]) -> list[Table]:
     add_table = Table(
         title=f"{WU_TITLES['add_request']}, µs per call ({CLOCK_NAMES[clock]}), median [IQR]",
         caption=f"fault8 = only weight-update-invalidation's wrappers (add_request, _find_kv_match_count); "
-                f"unpatched = the release's own code (every other patch off in both). Policy "
+                f"unpatched = the release's own code (every other patch off in both); pass-through = a "
+                "do-nothing wrapt wrapper on the same functions (what wrapping alone costs). Policy "
                 f"{add['policy']}; {add['rounds']} rounds x {add['batch']} calls per variant, alternating; "
                 "the context is reset and a primer request added (untimed) before each call. "
                 f"Target: fault8/unpatched <= {targets['wu_add_request']:.2f}.",
         caption_justify="left")
     for name in ("release", "prompt", "match", "matched blocks", "same outcome", "unpatched", "fault8",
-                 "overhead µs", "fault8/unpatched (rounds IQR)", "wall ratio", "verdict"):
+                 "overhead µs: fault8 / pass-through", "fault8/unpatched (rounds IQR)", "pass-through/unpatched",
+                 "wall ratio", "verdict"):
         add_table.add_column(name, justify="left" if name in ("release", "match") else "right")
     for row in add["rows"]:
         v = row["variants"]
@@ -190,8 +192,10 @@ def weight_update_tables(section: dict[str, Any]) -> list[Table]:
             row["release"], f"{row['prompt_tokens']:,}", row["match"],
             str(row["outcomes"]["fault8"]["blocks_matched"]),
             "yes" if row["same_outcome"] else "[red]NO[/]",
-            _t(v["unpatched"][key]), _t(v["fault8"][key]), f"{row['overhead_us']:+.1f}",
-            _r(ratio, clock, f"rounds_{clock}"), f"{ratio['wall' if clock == 'cpu' else 'cpu']:.2f}",
+            _t(v["unpatched"][key]), _t(v["fault8"][key]),
+            f"{row['overhead_us']:+.1f} / {row['passthrough_overhead_us']:+.1f}",
+            _r(ratio, clock, f"rounds_{clock}"), f"{row['ratios']['passthrough8/unpatched'][clock]:.2f}",
+            f"{ratio['wall' if clock == 'cpu' else 'cpu']:.2f}",
             _v(row["verdict"]),
         )
     flush = section["flush"]
@@ -237,8 +241,12 @@ def weight_update_summary(section: dict[str, Any]) -> list[str]:
     if add:
         worst = max(r["ratios"]["fault8/unpatched"][clock] for r in add)
         passed = sum(r["verdict"] == "PASS" for r in add)
+        median = sorted(r["ratios"]["fault8/unpatched"][clock] for r in add)[len(add) // 2]
+        over = sorted(r["overhead_us"] for r in add)[len(add) // 2]
+        through = sorted(r["passthrough_overhead_us"] for r in add)[len(add) // 2]
         lines.append(f"weight-update add_request (fault8/unpatched): {passed}/{len(add)} rows PASS "
-                     f"(target <= {targets['wu_add_request']:.2f}x, worst {worst:.3f}x)")
+                     f"(target <= {targets['wu_add_request']:.2f}x, worst {worst:.3f}x, median row {median:.3f}x; "
+                     f"median overhead {over:+.1f} µs, of which a pass-through wrapper {through:+.1f} µs)")
     e2e = section["e2e"]["rows"]
     judged = [r for r in e2e if r["verdict"] in ("PASS", "FAIL")]
     if e2e:

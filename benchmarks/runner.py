@@ -421,21 +421,24 @@ class Bench:
                     self.progress(f"weight_update: add_request {version} {length} tokens, {match} match")
                     case = worker.call("wu_add_case", policy=c.add_policy, max_prompt=max_prompt,
                                        length=length, match=match)
-                    timed = {"fault8": Timed(), "unpatched": Timed()}
+                    variants = ["unpatched", "passthrough8", "fault8"]
+                    timed = {v: Timed() for v in variants}
                     for r in range(c.wu_add_rounds):
-                        order = ["unpatched", "fault8"] if r % 2 == 0 else ["fault8", "unpatched"]
-                        for variant in order:
+                        shift = r % len(variants)
+                        for variant in variants[shift:] + variants[:shift]:
                             timed[variant].add(worker.call("wu_add_time", variant=variant, reps=c.wu_add_batch))
                     ratio = compare(timed["fault8"], timed["unpatched"])
-                    overhead = (timed["fault8"].summary()[key]["median"]
-                                - timed["unpatched"].summary()[key]["median"])
+                    medians = {v: t.summary()[key]["median"] for v, t in timed.items()}
+                    outcomes = case["outcomes"]
                     add_rows.append({
                         "release": version, "policy": c.add_policy, "prompt_tokens": length, "match": match,
-                        "outcomes": case["outcomes"],
-                        "same_outcome": case["outcomes"]["fault8"] == case["outcomes"]["unpatched"],
+                        "outcomes": outcomes,
+                        "same_outcome": outcomes["fault8"] == outcomes["unpatched"] == outcomes["passthrough8"],
                         "variants": {v: t.summary() for v, t in timed.items()},
-                        "ratios": {"fault8/unpatched": ratio},
-                        "overhead_us": overhead,
+                        "ratios": {"fault8/unpatched": ratio,
+                                   "passthrough8/unpatched": compare(timed["passthrough8"], timed["unpatched"])},
+                        "overhead_us": medians["fault8"] - medians["unpatched"],
+                        "passthrough_overhead_us": medians["passthrough8"] - medians["unpatched"],
                         "verdict": verdict(ratio[c.clock], TARGETS["wu_add_request"]),
                     })
             for scenario in c.wu_scenarios:
@@ -467,6 +470,8 @@ class Bench:
             "clock": c.clock, "targets": {k: TARGETS[k] for k in ("wu_add_request", "wu_e2e", "wu_flush_ms")},
             "releases": c.wu_releases,
             "variants": {"add_request": {"fault8": "only weight-update-invalidation's wrappers",
+                                         "passthrough8": "a do-nothing wrapt wrapper on each function "
+                                                         "weight-update-invalidation wraps",
                                          "unpatched": "the release's own code (no patch)"},
                          "e2e": {"patched": "every runtime patch",
                                  "unpatched": "every runtime patch but weight-update-invalidation"},

@@ -22,6 +22,10 @@ import traceback
 from typing import Any
 
 
+def _pass_through(wrapped: Any, _instance: Any, args: tuple, kwargs: dict) -> Any:
+    return wrapped(*args, **kwargs)
+
+
 class Worker:
     def __init__(self) -> None:
         import torch
@@ -52,6 +56,14 @@ class Worker:
             with_env(skip_env(skipped), megatron_ext.apply)
             self.functions[variant] = {k: c.__dict__[a] for k, (c, a) in self.targets.items()}
             megatron_ext.revert()
+        # "passthrough8": a do-nothing wrapt wrapper on each function fault 8 wraps (the dispatch
+        # cost alone, to split fault8's cost into wrapping and the wrappers' own work).
+        import wrapt
+
+        fault8_targets = {t.qualname for p in ALL_PATCHES if p.name == FAULT8 for t in p.wrappers()}
+        self.functions["passthrough8"] = {
+            k: (wrapt.FunctionWrapper(f, _pass_through) if k in fault8_targets else f)
+            for k, f in self.functions["unpatched"].items()}
         self.patches = [{"patch": r.patch, "state": r.state.value, "reason": r.reason} for r in results]
         import megatron.core
 
@@ -144,7 +156,7 @@ class Worker:
         self.add_bench = bench = self.add_benches[key]
         bench.setup(length, match)
         outcomes = {}
-        for variant in ("unpatched", "fault8"):
+        for variant in ("unpatched", "passthrough8", "fault8"):
             self.install(variant)
             outcomes[variant] = bench.probe_once(self.functions[variant]["add_request"])
         self.install("unpatched")

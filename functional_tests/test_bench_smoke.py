@@ -133,9 +133,11 @@ def test_short_weight_update_section_prints_its_rows(tmp_path):
     for row in add:
         assert row["release"] == "0.19.2"
         assert row["same_outcome"] is True  # the wrappers change nothing without an update
-        for variant in ("fault8", "unpatched"):
+        for variant in ("fault8", "passthrough8", "unpatched"):
             _stats_ok(row["variants"][variant]["cpu_us"])
         _ratio_ok(row["ratios"]["fault8/unpatched"])
+        _ratio_ok(row["ratios"]["passthrough8/unpatched"])
+        assert _number(row["overhead_us"]) and _number(row["passthrough_overhead_us"])
         assert row["verdict"] in ("PASS", "FAIL")
     assert {r["outcomes"]["fault8"]["blocks_matched"] for r in add if r["match"] == "full"} == {4, 8}
 
