@@ -23,6 +23,14 @@ temporary directory. Sections:
    (cached blocks evicted on admission, leaf-first eviction, resume into evictable blocks),
    patched vs unpatched (0.18.2 and 0.19.2; rows whose unpatched run raises, the LRU faults of
    0.17/0.18, are n/a). Target: <= 1.02.
+6. weight_update (fault 8, `weight-update-invalidation`; 0.19.2, 0.18.2, 0.17.1, each in its own
+   worker): (a) add_request with only that patch's wrappers vs none, and vs a do-nothing wrapt
+   wrapper on the same functions, prompts of 64 to 8,192 tokens, full / partial / no match
+   (target <= 1.02); (b) engine step time of section 3's case, every patch vs every patch but this
+   one (target <= 1.01); (c) megatron_ext.invalidate_prefix_cache(context) on a 65,536-block pool
+   holding 10,000 registered blocks (LRU all cached at ref 0, REF_ZERO / LRU all held by live
+   requests, LRU half and half) vs leaving ref-0 blocks unreachable to age out; ms per call,
+   median and spread (target: median <= 5 ms).
 
 Every timed call records both the wall clock (time.perf_counter_ns) and the calling thread's
 CPU time (time.thread_time_ns; torch runs on one intra-op thread). Verdicts use --clock (default
@@ -31,7 +39,9 @@ run one at a time, pinned to one CPU after start-up (--cpu), and variants are in
 short batches, round by round, so that load on the machine hits every variant alike.
 
 JSON (--json): {"meta": machine, settings, releases (tree, patch states), stage_s, total_s;
-"release" / "add_request" / "e2e" / "lru": {"target", "clock", "rows": [...]}; "scaling": {"rows"}}.
+"release" / "add_request" / "e2e" / "lru": {"target", "clock", "rows": [...]}; "scaling": {"rows"};
+"weight_update": {"targets", "add_request" / "e2e" / "flush": {"rows"}, "rows": all three (key
+"part"), "load_average_start" / "load_average_end"}}.
 Each row has "variants" (per variant: {"cpu_us"|"wall_us": {median, q1, q3, iqr, min, max, n}}),
 "ratios" (e.g. "patched/upstream": {"cpu", "wall", "rounds_cpu": spread of per-round ratios}) and
 "verdict" (PASS / FAIL; e2e / lru rows whose two runs did different work or raised: n/a).
