@@ -229,7 +229,8 @@ def weight_update_tables(section: dict[str, Any]) -> list[Table]:
         )
     if clock == "wall":
         flush_table.columns[8].header = "cpu flush ms"
-    return [add_table, e2e_table(section["e2e"], "weight_update"), flush_table]
+    parts = {"add_request": add_table, "e2e": e2e_table(section["e2e"], "weight_update"), "flush": flush_table}
+    return [table for name, table in parts.items() if section[name]["rows"]]
 
 
 def weight_update_summary(section: dict[str, Any]) -> list[str]:

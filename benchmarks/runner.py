@@ -36,8 +36,9 @@ TARGETS = {"release": 1.10, "add_request": 1.05, "e2e": 1.02, "lru": 1.02,
 #: The timed sections, by the names ``--sections`` accepts.
 SECTIONS = ("release", "add_request", "e2e", "lru", "weight_update")
 
-#: Releases section 6 runs on, each in its own worker.
+#: Releases section 6 runs on, each in its own worker; its parts, in the order they run.
 WU_RELEASES = ["0.19.2", "0.18.2", "0.17.1"]
+WU_PARTS = ("add_request", "flush", "e2e")
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Settings:
     wu_registered: int = 10000
     wu_scenarios: list[str] = field(default_factory=lambda: ["lru_cached", "ref_zero_held", "lru_held",
                                                              "lru_mixed"])
+    wu_parts: list[str] = field(default_factory=lambda: list(WU_PARTS))
     wu_flush_rounds: int = 10
     wu_flush_batch: int = 5
     # Sections to run, in this order; scaling (section 4) comes with "release".
@@ -416,7 +418,7 @@ class Bench:
         key = f"{c.clock}_us"
         for version in c.wu_releases:
             worker = self.workers[version]
-            for length in c.wu_add_lengths:
+            for length in (c.wu_add_lengths if "add_request" in c.wu_parts else []):
                 for match in c.add_matches:
                     self.progress(f"weight_update: add_request {version} {length} tokens, {match} match")
                     case = worker.call("wu_add_case", policy=c.add_policy, max_prompt=max_prompt,
@@ -441,7 +443,7 @@ class Bench:
                         "passthrough_overhead_us": medians["passthrough8"] - medians["unpatched"],
                         "verdict": verdict(ratio[c.clock], TARGETS["wu_add_request"]),
                     })
-            for scenario in c.wu_scenarios:
+            for scenario in (c.wu_scenarios if "flush" in c.wu_parts else []):
                 self.progress(f"weight_update: flush {version} {scenario}, pool {c.wu_pool:,}, "
                               f"{c.wu_registered:,} registered")
                 setup = worker.call("wu_flush_setup", scenario=scenario, pool=c.wu_pool,
@@ -461,8 +463,8 @@ class Bench:
                     "free_at_once_extra_ms": medians_ms["flush"] - medians_ms["age_out"],
                     "verdict": verdict(medians_ms["flush"], TARGETS["wu_flush_ms"]),
                 })
-        e2e = self._engine_section("weight_update", c.e2e_case, c.wu_releases, c.e2e_policies,
-                                   c.wu_e2e_runs, c.e2e_warmup, shorten=c.short,
+        e2e = self._engine_section("weight_update", c.e2e_case, c.wu_releases if "e2e" in c.wu_parts else [],
+                                   c.e2e_policies, c.wu_e2e_runs, c.e2e_warmup, shorten=c.short,
                                    worker_variants={"unpatched": "patched_no8", "patched": "patched"})
         rows = ([{"part": "add_request", **r} for r in add_rows] + [{"part": "e2e", **r} for r in e2e["rows"]]
                 + [{"part": "flush", **r} for r in flush_rows])

@@ -71,7 +71,7 @@ if "megatron_ext" not in sys.modules:
 from rich.console import Console  # noqa: E402
 
 from benchmarks import report as bench_report  # noqa: E402
-from benchmarks.runner import SECTIONS, run, settings  # noqa: E402
+from benchmarks.runner import SECTIONS, WU_PARTS, run, settings  # noqa: E402
 from benchmarks.trees import DEFAULT_SEARCH  # noqa: E402
 
 
@@ -81,6 +81,15 @@ def section_list(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(
             f"unknown section(s) {unknown or text!r}: choose from {', '.join(SECTIONS)}")
+    return names
+
+
+def wu_part_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in WU_PARTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown part(s) {unknown or text!r}: choose from {', '.join(WU_PARTS)}")
     return names
 
 
@@ -104,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wu-releases", type=lambda t: [v.strip() for v in t.split(",") if v.strip()],
                         metavar="VERSIONS", help="section 6's releases, comma-separated (default: "
                         "0.19.2,0.18.2,0.17.1; --short: 0.19.2)")
+    parser.add_argument("--wu-parts", type=wu_part_list, metavar="PARTS",
+                        help=f"section 6's parts, comma-separated (default: all: {','.join(WU_PARTS)})")
     parser.add_argument("--wu-e2e-runs", type=int, help="override section 6's engine runs per variant")
     parser.add_argument("--sections", type=section_list, default=list(SECTIONS), metavar="NAMES",
                         help=f"comma-separated sections to run (default: all: {','.join(SECTIONS)}; "
@@ -127,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         config.lru_runs = args.lru_runs
     if args.wu_releases:
         config.wu_releases = args.wu_releases
+    if args.wu_parts:
+        config.wu_parts = args.wu_parts
     if args.wu_e2e_runs:
         config.wu_e2e_runs = args.wu_e2e_runs
     console = Console(width=max(Console().width, 220) if not sys.stdout.isatty() else None)
