@@ -10,7 +10,7 @@ import os
 import pytest
 
 from megatron_ext import cli, mcore
-from megatron_ext.harness import ab
+from unit_tests.conftest import one_error_line
 from megatron_ext.harness.cases import load_case, plan_requests, shipped_cases
 from megatron_ext.harness.tokenizer import TokenizerError, check_vocab_fits, default_tokenizer, load_tokenizer
 from unit_tests.tokenizer_factory import save_hf, train_bpe
@@ -22,19 +22,6 @@ PROMPT = "What is a KV block?"
 def hf_dir(tmp_path_factory):
     """A BPE tokenizer of 200 IDs trained here, saved as a Hugging Face directory (no metadata)."""
     return save_hf(train_bpe(200), tmp_path_factory.mktemp("tok") / "bpe200")
-
-
-@pytest.fixture
-def nothing_runs(monkeypatch):
-    for name in ("build_model", "build_engine", "apply", "run_ab"):
-        monkeypatch.setattr(ab, name, lambda *a, **k: pytest.fail("ran something before refusing the input"))
-
-
-def one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("megatron-ext: error: ")
-    return err[0]
 
 
 def test_default_is_megatron_cores_byte_level_tokenizer_as_the_cases_were_written_for():
