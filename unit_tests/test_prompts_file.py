@@ -28,9 +28,10 @@ def test_plain_text_lines_end_at_newline_only(tmp_path, inside):
 
 def test_jsonl_line_holding_an_unescaped_line_separator_is_one_line(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_bytes('{"prompt": "a\u2028b"}\r\n{"prompt": "c\x1cd", "samples": 2}\n'.encode())
+    # JSON allows U+2028, U+2029 and U+0085 raw inside strings (not \x1c: a control character)
+    path.write_bytes('{"prompt": "a\u2028b"}\r\n{"prompt": "c\x85d\u2029", "samples": 2}\n'.encode())
     prompts = read_prompts(path)
-    assert [(n, s.prompt, s.samples) for n, s in prompts] == [(1, "a\u2028b", 1), (2, "c\x1cd", 2)]
+    assert [(n, s.prompt, s.samples) for n, s in prompts] == [(1, "a\u2028b", 1), (2, "c\x85d\u2029", 2)]
 
 
 @pytest.mark.parametrize("suffix, body", [(".txt", "first\r\nsecond\r\n"),
