@@ -17,7 +17,6 @@ from megatron_ext import cli
 from megatron_ext.console import settle_log
 from megatron_ext.errors import MegatronExtError
 from megatron_ext.harness import ab, checkpoint, engine, report, soak
-from unit_tests.conftest import one_error_line
 
 LIBRARY_LINES = b"[Gloo] Rank 0 is connected to 0 peer ranks\nWARNING: megatron-core says something\n"
 
