@@ -130,6 +130,10 @@ def when_imported(name: str, hook) -> None:
         hook: called with the module object: on the thread that executed the module, inside the
             import statement that loaded it; or, if it was imported already, here, before returning.
 
+    It may wait for another thread's import of ``name`` to finish (see below): do not call it while
+    holding a lock that code run by that import could need (an ``apply()`` lock taken by an import
+    hook, say), or both threads wait forever. Start-up, where it is called, holds none.
+
     Raises:
         Whatever ``hook`` raises when it runs at once (the module was imported already).
     """
