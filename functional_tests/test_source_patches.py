@@ -3,10 +3,10 @@
 For each release of the installed release's series (so CI's three runs cover all six supported
 releases once), a pristine copy of the release's wheel gets the source patches; then, in a
 subprocess importing that copy:
-- ``megatron-ext status`` reports all six runtime patches "not needed" (the fix is detected in
+- ``megatron-ext status`` reports every runtime patch "not needed" (the fix is detected in
   the code: by a probe of the code's behaviour for fixes 1, 3 and 5, by the signature of
-  ``is_memory_available`` for fix 4, by the recorded source-patched fingerprint for fixes 2
-  and 6);
+  ``is_memory_available`` for fix 4, by the recorded source-patched fingerprint for fixes 2,
+  6 and 7);
 - the unit tests that check the runtime patches pass there without them being applied: the
   consistency check between runtime and source patches;
 - the default ``ab`` case is bit-identical and audit-clean.
@@ -61,10 +61,12 @@ def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(ver
     assert {p["patch"]: p["state"] for p in payload["patches"]} == {
         name: "not needed" for name in (
             "release-refcount", "lru-leaf-first-eviction", "lru-register-once",
-            "lru-pin-before-allocate", "matched-block-writes", "lru-resume-evictable")}
+            "lru-pin-before-allocate", "matched-block-writes", "lru-resume-evictable",
+            "top-n-prefill-chunks")}
     tests = run_with(tree, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                      "unit_tests/test_release_refcount.py", "unit_tests/test_matched_block_writes.py",
-                     "unit_tests/test_faults.py", "unit_tests/test_lru_faults.py")
+                     "unit_tests/test_faults.py", "unit_tests/test_lru_faults.py",
+                     "unit_tests/test_top_n_prefill_chunks.py")
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and "failed" not in tests.stdout
 
@@ -106,10 +108,11 @@ def test_tree_inside_a_git_checkout_is_really_patched(tmp_path):
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     tree = pristine_tree(RELEASES[-1], tmp_path)
     targets = sorted((tree / "megatron/core/inference/contexts").glob("*.py"))
+    targets.append(tree / "megatron/core/inference/engines/dynamic_engine.py")
     before = {p: p.read_text() for p in targets}
     results = patch_source(tree)
     assert [r.state.value for r in results] == ["applied"] * len(results)
     changed = sorted(p.name for p in targets if p.read_text() != before[p])
-    assert changed == ["dynamic_context.py", "kv_block_allocator.py"]
+    assert changed == ["dynamic_context.py", "dynamic_engine.py", "kv_block_allocator.py"]
     patch_source(tree, revert=True)
     assert all(p.read_text() == before[p] for p in targets)

@@ -28,6 +28,7 @@ _FAULTS_017_018 = {
     "release-refcount": "applicable", "lru-leaf-first-eviction": "applicable",
     "lru-register-once": "not needed", "lru-pin-before-allocate": "applicable",
     "matched-block-writes": "applicable", "lru-resume-evictable": "applicable",
+    "top-n-prefill-chunks": "applicable",
 }
 EXPECTED_STATUS = {
     "0.17": _FAULTS_017_018,
@@ -36,6 +37,7 @@ EXPECTED_STATUS = {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
         "matched-block-writes": "applicable", "lru-resume-evictable": "applicable",
+        "top-n-prefill-chunks": "applicable",
     },
 }
 TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME)
@@ -210,7 +212,7 @@ def test_unsupported_release_is_refused(monkeypatch):
     monkeypatch.setattr(mcore, "installed_version", lambda: "0.16.1")
     before = ADD_REQUEST.current()
     results = megatron_ext.apply()
-    assert [r.state for r in results] == [PatchState.REFUSED] * 6
+    assert [r.state for r in results] == [PatchState.REFUSED] * len(ALL_PATCHES)
     for result in results:
         assert "megatron-core 0.16.1 is not a supported release" in result.reason
         assert "0.17.0" in result.reason and "MEGATRON_EXT_FORCE=1" in result.reason
