@@ -72,7 +72,14 @@ FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V0
 
 #: ``post_process_requests`` after the source patch of ``patches/`` (scripts/record_fingerprints.py
 #: --source-patched): code that already files the entries by position.
-SOURCE_PATCHED_FINGERPRINTS: dict[str, str] = {}
+SOURCE_PATCHED_FINGERPRINTS = {
+    "0.17.0": "ac14d9f6cf637d24",
+    "0.17.1": "ac14d9f6cf637d24",
+    "0.18.0": "6a85f95f0c2e21e9",
+    "0.18.2": "6a85f95f0c2e21e9",
+    "0.19.0": "e159a7427c8dc75b",
+    "0.19.2": "e159a7427c8dc75b",
+}
 
 
 @dataclass(frozen=True)
@@ -128,17 +135,24 @@ def refile_step_entries(books: TopNBooks) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def _positions(function: Callable) -> dict[str, int]:
-    """Parameter name -> positional index (``self`` excluded) of an unbound function."""
-    return {name: i - 1 for i, name in enumerate(inspect.signature(function).parameters)}
+def _parameters(function: Callable) -> tuple[str, ...]:
+    """Parameter names of a function, ``self`` included for a method."""
+    return tuple(inspect.signature(function).parameters)
 
 
 def _argument(wrapped: Callable, args: tuple, kwargs: dict, name: str) -> Any:
     """An argument of a call by name; its position differs between releases (0.19 inserted
-    ``consumed_chunked_prefill_request_id`` before ``top_n_logprobs``). None if not passed."""
+    ``consumed_chunked_prefill_request_id`` before ``top_n_logprobs``). None if not passed.
+
+    ``wrapped`` is the bound method (``args`` without ``self``), or, for a call through the
+    class, whatever wrapt binds the instance with: its own signature then."""
     if name in kwargs:
         return kwargs[name]
-    index = _positions(getattr(wrapped, "__func__", wrapped))[name]
+    function = getattr(wrapped, "__func__", None)
+    if function is not None:
+        index = _parameters(function).index(name) - 1  # self is not in args
+    else:
+        index = tuple(inspect.signature(wrapped).parameters).index(name)
     return args[index] if index < len(args) else None
 
 
@@ -191,8 +205,8 @@ class TopNPrefillChunksPatch(Patch):
         mid-import and the engine or controller class is not defined yet; the start-up hook
         applies it again when the engine module has been imported."""
         if megatron_importing() and not all(_defined(t) for t in self.checked_functions()):
-            return self.result(PatchState.NOT_APPLIED, "megatron-core's dynamic engine is still being "
-                               "imported; MEGATRON_EXT_AUTO applies this patch when that import completes")
+            return self.result(PatchState.NOT_APPLIED, "megatron-core is being imported and its dynamic "
+                               "engine is not loaded yet; MEGATRON_EXT_AUTO applies this patch once it is")
         return super().plan(version, force)
 
     def needed(self) -> tuple[bool, str]:
