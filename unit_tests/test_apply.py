@@ -28,6 +28,7 @@ _FAULTS_017_018 = {
     "release-refcount": "applicable", "lru-leaf-first-eviction": "applicable",
     "lru-register-once": "not needed", "lru-pin-before-allocate": "applicable",
     "matched-block-writes": "applicable", "lru-resume-evictable": "applicable",
+    "weight-update-invalidation": "applicable",
     "top-n-prefill-chunks": "applicable",
 }
 EXPECTED_STATUS = {
@@ -37,6 +38,7 @@ EXPECTED_STATUS = {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
         "matched-block-writes": "applicable", "lru-resume-evictable": "applicable",
+        "weight-update-invalidation": "applicable",
         "top-n-prefill-chunks": "applicable",
     },
 }
@@ -45,9 +47,9 @@ PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME],
                    "0.18": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME],
                    "0.19": [ADD_REQUEST, REGISTER, RESUME]}
 #: The wrappers on add_request, outermost first (installed in ALL_PATCHES order).
-ADD_REQUEST_STACK = {"0.17": ["matched-block-writes", "lru-pin-before-allocate"],
-                     "0.18": ["matched-block-writes", "lru-pin-before-allocate"],
-                     "0.19": ["matched-block-writes"]}
+ADD_REQUEST_STACK = {"0.17": ["weight-update-invalidation", "matched-block-writes", "lru-pin-before-allocate"],
+                     "0.18": ["weight-update-invalidation", "matched-block-writes", "lru-pin-before-allocate"],
+                     "0.19": ["weight-update-invalidation", "matched-block-writes"]}
 
 
 @pytest.fixture(autouse=True)
@@ -205,7 +207,7 @@ def test_forced_apply_installs_despite_changed_target(changed_prefix_match):
     forced = by_name(megatron_ext.apply(force=True), "matched-block-writes")
     assert forced.state is PatchState.APPLIED
     assert forced.reason.startswith("FORCED despite refusal")
-    assert getattr(ADD_REQUEST.current(), "_self_megatron_ext_patch") == "matched-block-writes"
+    assert "matched-block-writes" in installed_patches(ADD_REQUEST)
 
 
 def test_unsupported_release_is_refused(monkeypatch):
@@ -256,7 +258,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-CHECK_WRAPPED = (
+CHECK_WRAPPED = (  # the outermost wrapper of add_request (the last patch installed on it)
     "import megatron.core.inference.contexts.dynamic_context as d; "
     "print(getattr(d.DynamicInferenceContext.__dict__['add_request'], "
     "'_self_megatron_ext_patch', None))"
@@ -266,7 +268,7 @@ CHECK_WRAPPED = (
 def test_environment_variable_applies_at_import_with_no_code_change():
     done = run_python(CHECK_WRAPPED, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "matched-block-writes"
+    assert done.stdout.strip() == "weight-update-invalidation"
     assert "megatron-ext: matched-block-writes: applied" in done.stderr
     untouched = run_python(CHECK_WRAPPED)
     assert untouched.stdout.strip() == "None"
@@ -281,7 +283,7 @@ def test_environment_variable_applies_the_engine_patch_once_the_engine_is_import
             + "; print(getattr(E.__dict__['post_process_requests'], '_self_megatron_ext_patch', None))")
     done = run_python(code, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["matched-block-writes", "top-n-prefill-chunks"]
+    assert done.stdout.split() == ["weight-update-invalidation", "top-n-prefill-chunks"]
     lines = [line for line in done.stderr.splitlines() if line.startswith("megatron-ext: ")]
     assert len(lines) == len(ALL_PATCHES) + 1  # each patch once, the engine's twice
     assert lines[-2].startswith("megatron-ext: top-n-prefill-chunks: not applied (megatron-core is being")
@@ -330,7 +332,7 @@ def test_lazy_attributes_are_the_real_objects():
 def test_import_auto_applies():
     done = run_python("import megatron_ext.auto; " + CHECK_WRAPPED)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "matched-block-writes"
+    assert done.stdout.strip() == "weight-update-invalidation"
     assert "megatron-ext: matched-block-writes: applied" in done.stderr
 
 

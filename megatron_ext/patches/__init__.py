@@ -7,6 +7,7 @@ from .lru_register_once import RegisterOncePatch
 from .lru_resume_evictable import ResumeEvictablePatch
 from .matched_block_writes import MatchedBlockWritesPatch
 from .release_refcount import ReleaseRefCountPatch
+from .weight_update_invalidation import WeightUpdateInvalidationPatch
 from .top_n_prefill_chunks import TopNPrefillChunksPatch
 
 #: One instance per patch for the whole process: each remembers what it replaced.
@@ -17,5 +18,6 @@ ALL_PATCHES: tuple[Patch, ...] = (
     PinBeforeAllocatePatch(),
     MatchedBlockWritesPatch(),
     ResumeEvictablePatch(),
+    WeightUpdateInvalidationPatch(),
     TopNPrefillChunksPatch(),
 )
