@@ -95,6 +95,7 @@ def test_chunked_prefill_top_n_differs_without_fix_7(monkeypatch):
         result = run_ab(case, patched=True)
     finally:
         megatron_ext.revert()
+    assert next(p for p in result.patches if p["patch"] == "top-n-prefill-chunks")["state"] == "not applied"
     (policy,) = result.policies
     assert all(d.tokens_equal and d.log_probs_equal for d in policy.diffs)
     assert any(d.top_n_logprobs_equal is False for d in policy.diffs)
