@@ -36,6 +36,9 @@ def test_case_patched_is_bit_identical_and_audit_clean(name):
     assert result.total("lru_violations") == 0
     assert all(run.error is None for run in result.runs)
     assert all(p.run.counters.prefill_tokens_skipped > 0 for p in result.policies)
+    for run in result.runs:  # chunked_prefill records top-n: one entry per generated token (fix 7)
+        for output in run.outputs.values():
+            assert output.top_n_logprobs is None or len(output.top_n_logprobs) == len(output.tokens)
 
 
 @pytest.mark.slow
@@ -77,4 +80,29 @@ def test_unpatched_audits_catch_the_faults_of_this_release(mcore_series):
         assert leaked, "the leak must be visible at drain"
     else:
         assert result.total("refcount_violations") == 0
+    assert result.exit_code() == 1
+
+
+@pytest.mark.slow
+def test_chunked_prefill_top_n_fails_without_fix_7(monkeypatch, mcore_series):
+    """All runtime patches but ``top-n-prefill-chunks`` (caching off vs REF_ZERO): tokens and
+    log-probs stay bit-identical, but every top-n list carries one entry per non-final prefill
+    chunk more than tokens. 0.19 takes fewer chunks for cached prompts, so caching on vs off
+    differ there too; 0.17/0.18 count a skipped prefix into the first chunk (same chunks, both
+    runs equally wrong): the top-n count check fails the verdict on every release."""
+    megatron_ext.revert()
+    monkeypatch.setenv("MEGATRON_EXT_SKIP", "top-n-prefill-chunks")
+    case = load_case("chunked_prefill").model_copy(update={"prefix_caching_eviction_policies": ["ref_zero"]})
+    try:
+        result = run_ab(case, patched=True)
+    finally:
+        megatron_ext.revert()
+    assert next(p for p in result.patches if p["patch"] == "top-n-prefill-chunks")["state"] == "not applied"
+    (policy,) = result.policies
+    assert all(d.tokens_equal and d.log_probs_equal for d in policy.diffs)
+    assert any(d.top_n_logprobs_equal is False for d in policy.diffs) == (mcore_series == "0.19")
+    for output in result.baseline.outputs.values():  # prompts of 92-230 bytes in chunks of <= 64
+        assert len(output.top_n_logprobs) > len(output.tokens) == 6
+    failures = " ".join(result.failures())
+    assert "fix 7 fault (top-n-prefill-chunks): run caching off: 4 requests" in failures
     assert result.exit_code() == 1

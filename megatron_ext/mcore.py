@@ -21,6 +21,9 @@ SUPPORTED_RELEASES: tuple[str, ...] = ("0.17.0", "0.17.1", "0.18.0", "0.18.2", "
 
 KV_BLOCK_ALLOCATOR_MODULE = "megatron.core.inference.contexts.kv_block_allocator"
 DYNAMIC_CONTEXT_MODULE = "megatron.core.inference.contexts.dynamic_context"
+DYNAMIC_ENGINE_MODULE = "megatron.core.inference.engines.dynamic_engine"
+TEXT_GENERATION_CONTROLLER_MODULE = (
+    "megatron.core.inference.text_generation_controllers.text_generation_controller")
 
 _INSTALL_HINT = (
     "install a supported release, e.g. `pip install --no-deps megatron-core==0.19.2` "

@@ -29,6 +29,7 @@ _FAULTS_017_018 = {
     "lru-register-once": "not needed", "lru-pin-before-allocate": "applicable",
     "matched-block-writes": "applicable", "lru-resume-evictable": "applicable",
     "weight-update-invalidation": "applicable",
+    "top-n-prefill-chunks": "applicable",
 }
 EXPECTED_STATUS = {
     "0.17": _FAULTS_017_018,
@@ -38,6 +39,7 @@ EXPECTED_STATUS = {
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
         "matched-block-writes": "applicable", "lru-resume-evictable": "applicable",
         "weight-update-invalidation": "applicable",
+        "top-n-prefill-chunks": "applicable",
     },
 }
 TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME)
@@ -295,6 +297,21 @@ def test_environment_variable_applies_at_import_with_no_code_change():
     untouched = run_python(CHECK_WRAPPED)
     assert untouched.stdout.strip() == "None"
     assert "megatron-ext" not in untouched.stderr
+
+
+def test_environment_variable_applies_the_engine_patch_once_the_engine_is_imported():
+    # The engine module imports the context half-way through its own import, so the context's
+    # hook runs with the engine half-defined (importing it from there fails on megatron-core's
+    # circular imports): the engine's patch waits, a hook on the engine module applies it.
+    code = ("from megatron.core.inference.engines import DynamicInferenceEngine as E; " + CHECK_WRAPPED
+            + "; print(getattr(E.__dict__['post_process_requests'], '_self_megatron_ext_patch', None))")
+    done = run_python(code, MEGATRON_EXT_AUTO="1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["weight-update-invalidation", "top-n-prefill-chunks"]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("megatron-ext: ")]
+    assert len(lines) == len(ALL_PATCHES) + 1  # each patch once, the engine's twice
+    assert lines[-2].startswith("megatron-ext: top-n-prefill-chunks: not applied (megatron-core is being")
+    assert lines[-1].startswith("megatron-ext: top-n-prefill-chunks: applied (")
 
 
 HEAVY_MODULES_LOADED = (  # wrapt: its import alone was 0.09 s, 6x a bare Python start-up

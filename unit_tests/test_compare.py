@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from megatron_ext.harness.compare import RequestOutput, compare_request, compare_runs
+from megatron_ext.harness.compare import RequestOutput, compare_request, compare_runs, top_n_miscounted
 
 
 def out(tokens, log_probs, steps=None, top_n=None):
@@ -62,3 +62,15 @@ def test_top_n_differing_only_in_an_extra_entry_names_a_position():
     top = [[("a", -0.5)], [("c", -0.25)]]
     diff = compare_request(out([1, 2], [-0.5, -0.25], top_n=top), out([1, 2], [-0.5, -0.25], top_n=top + [[("z", -9.0)]]))
     assert (diff.top_n_logprobs_equal, diff.first_divergent_position, diff.first_divergent_step) == (False, 2, None)
+
+
+def test_top_n_miscounted_names_requests_without_one_entry_per_token():
+    entry = [("a", -0.5), ("b", -1.0)]
+    outputs = {
+        0: RequestOutput(0, "r0.s0", 5, [1, 2], [-0.5, -0.5], [0, 1], [entry, entry]),  # one per token
+        1: RequestOutput(1, "r1.s0", 5, [1, 2], [-0.5, -0.5], [0, 1], [entry] * 3),  # a chunk's extra
+        2: RequestOutput(2, "r2.s0", 5, [1, 2], [-0.5, -0.5], [0, 1], None),  # top-n not asked for
+        3: RequestOutput(3, "r3.s0", 5, [], [], [], []),  # never ran (the run ended early)
+        4: RequestOutput(4, "r4.s0", 5, [1], [-0.5], [0], []),
+    }
+    assert top_n_miscounted(outputs) == ["r1.s0", "r4.s0"]

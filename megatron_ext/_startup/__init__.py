@@ -4,7 +4,10 @@ It imports neither torch nor megatron-core nor wrapt at start-up: it registers a
 (:func:`megatron_ext._startup.import_hooks.when_imported`, standard library only) so the patches
 are applied the moment megatron-core's dynamic inference context is imported (at once if it is
 imported already). That module imports the KV block allocator module itself, so both targets exist
-by then. wrapt, torch and the patches load inside the hook, with megatron-core.
+by then. wrapt, torch and the patches load inside the hook, with megatron-core. The
+engine module usually imports the context half-way through its own import: the patch on the
+engine (``top-n-prefill-chunks``) then waits, and a second hook applies it when the engine module
+is imported; each patch's line is printed again only when its state changed.
 """
 
 # No `from __future__ import annotations`: it imports the __future__ module, and this module runs
@@ -15,6 +18,9 @@ from .import_hooks import when_imported
 
 AUTO_ENV = "MEGATRON_EXT_AUTO"
 HOOKED_MODULE = "megatron.core.inference.contexts.dynamic_context"
+ENGINE_MODULE = "megatron.core.inference.engines.dynamic_engine"
+#: patch name -> state last printed, so the engine module's hook prints only what it changed
+_ANNOUNCED: dict[str, str] = {}
 
 # The flag values of megatron_ext.env.TRUE_VALUES, repeated so start-up does not import that module.
 _TRUE_VALUES = ("1", "true", "yes", "on")
@@ -29,12 +35,15 @@ def _apply_on_import(_module: object) -> None:
     from ..announce import announce
     from ..api import apply
 
-    announce(apply())
+    changed = [r for r in apply() if _ANNOUNCED.get(r.patch) != r.state.value]
+    _ANNOUNCED.update((r.patch, r.state.value) for r in changed)
+    announce(changed)
 
 
 def install() -> None:
-    """Register the post-import hook; if the module is imported already the patches apply at once."""
+    """Register the post-import hooks; for a module imported already the patches apply at once."""
     when_imported(HOOKED_MODULE, _apply_on_import)
+    when_imported(ENGINE_MODULE, _apply_on_import)
 
 
 if enabled():

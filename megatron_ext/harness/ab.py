@@ -21,7 +21,7 @@ from .audits import FAULT_OF_KIND
 from .cases import Case, PlannedRequest, check_top_n_fits, plan_requests, validate_planned
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint, resolve_checkpoint
 from .checkpoint_args import check_case_model_matches_args, checkpoint_model_spec
-from .compare import RequestDiff, RequestOutput, compare_runs
+from .compare import RequestDiff, RequestOutput, compare_runs, top_n_miscounted
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .engine import build_engine, build_model, ensure_model_parallel
 from .step_loop import RunRecord, drive
@@ -133,6 +133,11 @@ class ABResult:
         for run in self.runs:
             if run.error:
                 problems.append(f"megatron-core raised in run {run.eviction_policy or 'caching off'} at {run.error}")
+            miscounted = top_n_miscounted(run.outputs)  # caught even where A and B are equally wrong
+            if miscounted:
+                problems.append(f"fix 7 fault (top-n-prefill-chunks): run {run.eviction_policy or 'caching off'}: "
+                                f"{len(miscounted)} requests whose top-n log-probs are not one entry per "
+                                f"generated token: {', '.join(miscounted[:6])}")
         expect = self.case.expectations
         for p in self.policies:
             if expect.bit_identical and not p.bit_identical:

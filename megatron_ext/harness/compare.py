@@ -116,6 +116,14 @@ def compare_request(a: RequestOutput, b: RequestOutput) -> RequestDiff:
     )
 
 
+def top_n_miscounted(outputs: dict[int, RequestOutput]) -> list[str]:
+    """Labels of the requests of one run whose top-n log-probs are not one entry per generated
+    token (fault 7: top-n of non-final prefill chunks filed as generated); requests without
+    top-n or without tokens (a run that ended early) are not counted."""
+    return [o.label for o in outputs.values()
+            if o.top_n_logprobs is not None and o.tokens and len(o.top_n_logprobs) != len(o.tokens)]
+
+
 def _same_top_n(a: list[list[tuple[str, float]]], b: list[list[tuple[str, float]]], i: int) -> bool:
     """Whether generated token ``i`` has the same top-n entries in both (a missing one differs)."""
     if i >= len(a) or i >= len(b):

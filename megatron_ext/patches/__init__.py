@@ -8,6 +8,7 @@ from .lru_resume_evictable import ResumeEvictablePatch
 from .matched_block_writes import MatchedBlockWritesPatch
 from .release_refcount import ReleaseRefCountPatch
 from .weight_update_invalidation import WeightUpdateInvalidationPatch
+from .top_n_prefill_chunks import TopNPrefillChunksPatch
 
 #: One instance per patch for the whole process: each remembers what it replaced.
 ALL_PATCHES: tuple[Patch, ...] = (
@@ -18,4 +19,5 @@ ALL_PATCHES: tuple[Patch, ...] = (
     MatchedBlockWritesPatch(),
     ResumeEvictablePatch(),
     WeightUpdateInvalidationPatch(),
+    TopNPrefillChunksPatch(),
 )
