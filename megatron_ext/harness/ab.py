@@ -333,20 +333,20 @@ def run_ab(
     check_top_n_fits(case)
     planned = plan_requests(case, tokenizer)
     validate_planned(planned)  # bad input is refused before anything is built
-    update_checkpoints = _update_checkpoints(case, update_from)
+    at_updates = update_checkpoints(case, update_from)
     patch_results = apply() if patched else revert()
     patches = [r.as_dict() for r in patch_results]
     with backend(device) as invariance:
         ensure_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
         model = build_model(case)
         checkpoint = None if load is None else load_checkpoint(model, load, case.name)
-        snapshot = _initial_weights(model, case, update_checkpoints)
-        runs = _Runs(model, case, planned, on_step, on_run, tokenizer, snapshot, update_checkpoints)
+        snapshot = _initial_weights(model, case, at_updates)
+        runs = _Runs(model, case, planned, on_step, on_run, tokenizer, snapshot, at_updates)
         baseline = runs.one(False, case.prefix_caching_eviction_policies[0])
         result = ABResult(case, mcore.installed_version(), device, patches, invariance, baseline,
                           checkpoint=checkpoint, requests=[_request_json(r) for r in planned],
                           model_from_checkpoint_args=from_args, tokenizer=tokenizer,
-                          update_checkpoints=update_checkpoints)
+                          update_checkpoints=at_updates)
         for policy in case.prefix_caching_eviction_policies:
             run = runs.one(True, policy)
             result.policies.append(PolicyResult(policy, run, compare_runs(baseline.outputs, run.outputs)))
@@ -366,7 +366,7 @@ def _case_for_checkpoint(case: Case, source: CheckpointSource) -> Case:
     return case.model_copy(update={"model": spec})
 
 
-def _update_checkpoints(case: Case, update_from: Sequence[Union[PathLike, CheckpointSource]]) -> list[CheckpointSource]:
+def update_checkpoints(case: Case, update_from: Sequence[Union[PathLike, CheckpointSource]]) -> list[CheckpointSource]:
     """The checkpoints of ``checkpoint`` weight updates (``update_from``, else the case's), resolved.
 
     Raises:

@@ -279,16 +279,16 @@ class Case(_Strict):
                                  f"(0 to {rounds - 1}); {fix}")
             if updates is None or spec.round == rounds - 1:
                 continue
-            last = updates.round_start(spec.round) + spec.arrival_step + spec.turn_interval * (len(_prompts(spec)) - 1)
+            last = updates.round_start(spec.round) + spec.arrival_step + spec.turn_interval * (len(turn_prompts(spec)) - 1)
             end = updates.update_at_steps[spec.round]
             if last >= end:
                 raise ValueError(f"requests.{index} (round {spec.round}) arrives at engine step {last}, not before "
                                  f"the update at step {end} that ends its round; lower its arrival_step "
                                  f"(it counts from the round's start) or give it round {spec.round + 1}")
-        missing = sorted(set(range(rounds)) - {spec.round for spec in self.requests})
-        if missing:
-            raise ValueError(f"round {missing[0]} has no request (rounds 0 to {rounds - 1}); give a request "
-                             f"'round: {missing[0]}' or drop the update that starts it")
+        if updates is not None and all(spec.round < rounds - 1 for spec in self.requests):
+            raise ValueError(f"no request is in the last round ({rounds - 1}), so the update at step "
+                             f"{updates.update_at_steps[-1]} may come after every request finished; give a "
+                             f"request 'round: {rounds - 1}' or drop that update")
         return self
 
 
@@ -317,7 +317,7 @@ def plan_requests(case: Case, tokenizer: Tokenizer) -> list[PlannedRequest]:
     """
     planned: list[PlannedRequest] = []
     for index, spec in enumerate(case.requests):
-        for turn, text in enumerate(_prompts(spec)):
+        for turn, text in enumerate(turn_prompts(spec)):
             tokens = tokenizer.tokenize(spec.prefix + text)
             if not tokens:
                 where = f"turn {turn} of 'conversation'" if spec.conversation else "'prompt' (with 'prefix')"
@@ -393,7 +393,8 @@ def validate_planned(planned: list[PlannedRequest]) -> None:
         first_index[request.request_id] = index
 
 
-def _prompts(spec: RequestSpec) -> list[str]:
+def turn_prompts(spec: RequestSpec) -> list[str]:
+    """The prompt text of each turn (one for a ``prompt``), without the ``prefix``."""
     if spec.prompt is not None:
         return [spec.prompt]
     turns, history = [], ""
