@@ -1,7 +1,8 @@
 """megatron-ext: prefix-caching fixes for an installed megatron-core, and a bit-identity harness.
 
 ``apply()`` applies the runtime patches the installed release needs, ``revert()`` restores the
-originals, ``status()`` reports without changing anything. ``import megatron_ext.auto`` applies
+originals, ``status()`` reports without changing anything; ``invalidate_prefix_cache(engine)``
+flushes an engine's prefix cache after a weight update the engine cannot see. ``import megatron_ext.auto`` applies
 them in one line; ``MEGATRON_EXT_AUTO=1`` applies them with no code change at all.
 
 Importing this package imports nothing beyond the standard library: the names below load on first
@@ -21,11 +22,14 @@ _LAZY = {
     "apply": "api",
     "revert": "api",
     "status": "api",
+    "invalidate_prefix_cache": "api",
+    "InvalidationResult": "patches.weight_update_invalidation",
     "PatchResult": "patching",
     "PatchState": "patching",
     "MegatronExtError": "errors",
     "MegatronCoreNotFoundError": "errors",
     "PatchRefusedError": "errors",
+    "WeightUpdatePatchNotApplied": "errors",
 }
 
 __all__ = list(_LAZY)

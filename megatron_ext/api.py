@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING, Any
 
 from . import mcore
 from .env import flag, name_set
-from .errors import MegatronExtError, PatchRefusedError
+from .errors import MegatronExtError, PatchRefusedError, WeightUpdatePatchNotApplied
 from .patching import PatchResult, PatchState
 from .patches import ALL_PATCHES
+
+if TYPE_CHECKING:
+    from .patches.weight_update_invalidation import InvalidationResult
 
 # One lock for every apply/revert, so concurrent callers never see half-applied patch sets.
 _LOCK = threading.RLock()
@@ -115,3 +119,44 @@ def revert() -> list[PatchResult]:
             else patch.result(PatchState.NOT_APPLIED, "was not applied")
             for patch in ALL_PATCHES
         ]
+
+
+def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
+    """Flush the prefix cache of an engine or context after its model's weights changed (fault 8).
+
+    For loops that update weights without ``engine.suspend()`` / ``resume()`` or
+    ``swap_model_weights`` (which the patch recognises by itself), e.g. an optimizer step on the
+    model the engine serves. Call it on every rank of a model-parallel group at the same point
+    (between the same two engine steps), with the engine not stepping. Idempotent: a second call
+    finds nothing registered. Requests admitted afterwards match only blocks cached afterwards;
+    live requests keep their blocks (see :mod:`megatron_ext.patches.weight_update_invalidation`).
+
+    Args:
+        target: a ``DynamicInferenceEngine`` or a ``DynamicInferenceContext``.
+
+    Returns:
+        :class:`~megatron_ext.patches.weight_update_invalidation.InvalidationResult` (``kept=True``
+        and nothing done under ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep``).
+
+    Raises:
+        TypeError: ``target`` is neither an engine nor a context.
+        WeightUpdatePatchNotApplied: the ``weight-update-invalidation`` patch is not applied
+            (call :func:`apply` first); without it, a chunked prefill straddling the update
+            would register blocks computed from the old weights' KV.
+        MegatronExtError: ``MEGATRON_EXT_ON_WEIGHT_UPDATE`` has a bad value.
+    """
+    from .patches import weight_update_invalidation as fault8
+
+    context = getattr(target, "context", target)
+    if not hasattr(context, "kv_block_allocator"):
+        raise TypeError(f"invalidate_prefix_cache takes a DynamicInferenceEngine or DynamicInferenceContext, "
+                        f"not {type(target).__name__}")
+    if fault8.on_weight_update_mode() == "keep":
+        return fault8.InvalidationResult(kept=True)
+    patch = next(p for p in ALL_PATCHES if p.name == "weight-update-invalidation")
+    with _LOCK:
+        if not patch.is_applied():
+            raise WeightUpdatePatchNotApplied(
+                "invalidate_prefix_cache needs the weight-update-invalidation patch: call megatron_ext.apply() "
+                "first (megatron_ext.status() says why it is not applied)")
+    return fault8.flush(context)

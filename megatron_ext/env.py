@@ -2,7 +2,8 @@
 
 ``MEGATRON_EXT_AUTO``, ``MEGATRON_EXT_FORCE`` and ``MEGATRON_EXT_QUIET`` are flags
 (:func:`flag`); ``MEGATRON_EXT_SKIP`` is a comma-separated list (:func:`name_set`);
-``MEGATRON_EXT_DIST_TIMEOUT_S`` is a number of seconds (:func:`seconds`). The ``.pth``
+``MEGATRON_EXT_DIST_TIMEOUT_S`` is a number of seconds (:func:`seconds`);
+``MEGATRON_EXT_ON_WEIGHT_UPDATE`` is one of a few words (:func:`choice`). The ``.pth``
 start-up line parses ``MEGATRON_EXT_AUTO`` the same way without importing anything.
 """
 
@@ -47,3 +48,21 @@ def seconds(name: str, default: float) -> float:
         raise MegatronExtError(f"{name}={text!r} is not a number of seconds in (0, {MAX_SECONDS:.0f}]; set it to "
                                "e.g. 120 or unset it")
     return value
+
+
+def choice(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable ``name`` (case-insensitive, blanks stripped), one of ``choices``;
+    ``choices[0]`` when unset or empty.
+
+    Raises:
+        MegatronExtError: it is set to anything else (named, with the accepted values).
+    """
+    text = os.environ.get(name, "").strip().lower()
+    if not text:
+        return choices[0]
+    if text not in choices:
+        from .errors import MegatronExtError
+
+        raise MegatronExtError(f"{name}={os.environ[name]!r} is not one of {', '.join(choices)}; set it to "
+                               f"one of those or unset it (default {choices[0]})")
+    return text

@@ -22,3 +22,8 @@ class DeviceUnavailableError(MegatronExtError, RuntimeError):
 
     Also a ``RuntimeError``, as it was before it had its own class.
     """
+
+
+class WeightUpdatePatchNotApplied(MegatronExtError, RuntimeError):
+    """``invalidate_prefix_cache`` was called while the ``weight-update-invalidation`` patch is
+    not applied (``megatron_ext.apply()`` installs it)."""

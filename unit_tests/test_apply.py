@@ -28,6 +28,7 @@ _FAULTS_017_018 = {
     "release-refcount": "applicable", "lru-leaf-first-eviction": "applicable",
     "lru-register-once": "not needed", "lru-pin-before-allocate": "applicable",
     "matched-block-writes": "applicable", "lru-resume-evictable": "applicable",
+    "weight-update-invalidation": "applicable",
 }
 EXPECTED_STATUS = {
     "0.17": _FAULTS_017_018,
@@ -36,6 +37,7 @@ EXPECTED_STATUS = {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
         "matched-block-writes": "applicable", "lru-resume-evictable": "applicable",
+        "weight-update-invalidation": "applicable",
     },
 }
 TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME)
@@ -43,9 +45,9 @@ PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME],
                    "0.18": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME],
                    "0.19": [ADD_REQUEST, REGISTER, RESUME]}
 #: The wrappers on add_request, outermost first (installed in ALL_PATCHES order).
-ADD_REQUEST_STACK = {"0.17": ["matched-block-writes", "lru-pin-before-allocate"],
-                     "0.18": ["matched-block-writes", "lru-pin-before-allocate"],
-                     "0.19": ["matched-block-writes"]}
+ADD_REQUEST_STACK = {"0.17": ["weight-update-invalidation", "matched-block-writes", "lru-pin-before-allocate"],
+                     "0.18": ["weight-update-invalidation", "matched-block-writes", "lru-pin-before-allocate"],
+                     "0.19": ["weight-update-invalidation", "matched-block-writes"]}
 
 
 @pytest.fixture(autouse=True)
@@ -203,14 +205,14 @@ def test_forced_apply_installs_despite_changed_target(changed_prefix_match):
     forced = by_name(megatron_ext.apply(force=True), "matched-block-writes")
     assert forced.state is PatchState.APPLIED
     assert forced.reason.startswith("FORCED despite refusal")
-    assert getattr(ADD_REQUEST.current(), "_self_megatron_ext_patch") == "matched-block-writes"
+    assert "matched-block-writes" in installed_patches(ADD_REQUEST)
 
 
 def test_unsupported_release_is_refused(monkeypatch):
     monkeypatch.setattr(mcore, "installed_version", lambda: "0.16.1")
     before = ADD_REQUEST.current()
     results = megatron_ext.apply()
-    assert [r.state for r in results] == [PatchState.REFUSED] * 6
+    assert [r.state for r in results] == [PatchState.REFUSED] * len(ALL_PATCHES)
     for result in results:
         assert "megatron-core 0.16.1 is not a supported release" in result.reason
         assert "0.17.0" in result.reason and "MEGATRON_EXT_FORCE=1" in result.reason
@@ -254,7 +256,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-CHECK_WRAPPED = (
+CHECK_WRAPPED = (  # the outermost wrapper of add_request (the last patch installed on it)
     "import megatron.core.inference.contexts.dynamic_context as d; "
     "print(getattr(d.DynamicInferenceContext.__dict__['add_request'], "
     "'_self_megatron_ext_patch', None))"
@@ -264,7 +266,7 @@ CHECK_WRAPPED = (
 def test_environment_variable_applies_at_import_with_no_code_change():
     done = run_python(CHECK_WRAPPED, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "matched-block-writes"
+    assert done.stdout.strip() == "weight-update-invalidation"
     assert "megatron-ext: matched-block-writes: applied" in done.stderr
     untouched = run_python(CHECK_WRAPPED)
     assert untouched.stdout.strip() == "None"
@@ -313,7 +315,7 @@ def test_lazy_attributes_are_the_real_objects():
 def test_import_auto_applies():
     done = run_python("import megatron_ext.auto; " + CHECK_WRAPPED)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "matched-block-writes"
+    assert done.stdout.strip() == "weight-update-invalidation"
     assert "megatron-ext: matched-block-writes: applied" in done.stderr
 
 

@@ -7,6 +7,7 @@ from .lru_register_once import RegisterOncePatch
 from .lru_resume_evictable import ResumeEvictablePatch
 from .matched_block_writes import MatchedBlockWritesPatch
 from .release_refcount import ReleaseRefCountPatch
+from .weight_update_invalidation import WeightUpdateInvalidationPatch
 
 #: One instance per patch for the whole process: each remembers what it replaced.
 ALL_PATCHES: tuple[Patch, ...] = (
@@ -16,4 +17,5 @@ ALL_PATCHES: tuple[Patch, ...] = (
     PinBeforeAllocatePatch(),
     MatchedBlockWritesPatch(),
     ResumeEvictablePatch(),
+    WeightUpdateInvalidationPatch(),
 )

@@ -1,0 +1,328 @@
+"""Fault 8: after a weight update, prefix caching serves KV that the old weights computed.
+
+megatron-core keys its prefix cache by prompt tokens only (``compute_block_hashes_batched``: a
+SHA-256 chain seeded with zeros, no salt, in every release 0.17 to 0.19 and on upstream main),
+and nothing drops it when the model's weights change: ``engine.suspend()`` / ``resume()`` keep
+the hash map, ref counts and LRU timestamps under PERSIST (Megatron-LM RL's default) and OFFLOAD,
+and ``megatron.core.resharding.refit.swap_model_weights`` writes the new weights through
+``param.data``. A request admitted after the update then matches blocks computed by the old
+weights and its output differs from caching off, with no error.
+
+The fix flushes the prefix cache of a context at each weight update, without resetting anything
+a live request holds:
+
+- every cached block at ref count 0 (LRU) is deregistered at once by the released
+  ``_deregister_blocks`` (hash map, Mamba slots, parent/child counts, back to the free pool);
+- every registered block still held by a live request (in flight, paused, mid chunked prefill)
+  loses its hash: its hash-map entry goes, ``block_hashes`` becomes -1 and it leaves the prefix
+  forest, so nothing can match it; its holders keep reading it and release it as an ordinary
+  private block (the released ``release_memory_blocks`` frees ref-0 blocks without a hash);
+- each context counts its flushes (``epoch``); a request is stamped with the epoch in which its
+  prefill began, and a request from an older epoch (a chunked prefill straddling the update)
+  neither matches nor registers blocks for the rest of its prefill: its KV depends on the old
+  weights' KV of its first chunks.
+
+An update is recognised in three places: ``DynamicInferenceContext.reinitialize_inference_state_buffers``
+when it really reallocates (that is ``DynamicInferenceEngine.resume()`` after ``suspend()``, in
+every ``kv_cache_management_mode``); ``swap_model_weights`` (it bumps a process-wide weight
+version that each context compares at its next prefix match, so the flush happens on the engine's
+own thread, at the same step on every rank); and the explicit
+:func:`megatron_ext.invalidate_prefix_cache`. ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep`` leaves the
+patch out (upstream behaviour). No upstream change to mirror: no release and not upstream main
+(2026-08-22) invalidates or salts the prefix cache on a weight update.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from .. import mcore
+from ..env import choice
+from ..patching import Patch, PatchResult, PatchState, Target, fingerprint
+
+ON_WEIGHT_UPDATE_ENV = "MEGATRON_EXT_ON_WEIGHT_UPDATE"
+ON_WEIGHT_UPDATE_MODES = ("invalidate", "keep")
+
+ADD_REQUEST = Target(mcore.DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
+FIND_MATCH = Target(mcore.DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._find_kv_match_count")
+REINITIALIZE = Target(mcore.DYNAMIC_CONTEXT_MODULE,
+                      "DynamicInferenceContext.reinitialize_inference_state_buffers")
+# Relied on: the flush deregisters through it, and releases of unhashed blocks free them.
+DEREGISTER = Target(mcore.KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator._deregister_blocks")
+RELEASE = Target(mcore.KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.release_memory_blocks")
+
+REFIT_MODULE = "megatron.core.resharding.refit"
+SWAP = "swap_model_weights"
+
+#: Per context: flushes so far (the epoch); the process weight version it last flushed for.
+EPOCH_ATTR = "_megatron_ext_prefix_cache_epoch"
+SEEN_VERSION_ATTR = "_megatron_ext_weight_version_seen"
+#: Per request: the context epoch in which its prefill began (set by ``add_request``).
+REQUEST_EPOCH_ATTR = "_megatron_ext_prefill_epoch"
+
+# Recorded from the released wheels with scripts/record_fingerprints.py.
+_COMMON = {
+    "DynamicInferenceContext._find_kv_match_count": "89289c465254fc71",
+    "DynamicInferenceContext.reinitialize_inference_state_buffers": "f959e3c59b4dbd72",
+}
+_V017 = {**_COMMON,
+         "DynamicInferenceContext.add_request": "8ac0ab32824d8700",
+         "KVBlockAllocator._deregister_blocks": "b13538964dfdc5ea",
+         "KVBlockAllocator.release_memory_blocks": "acb2ad5b0c79cfc8"}
+_V018 = {**_V017, "DynamicInferenceContext.add_request": "0babd74ab35ee1e0"}
+_V019 = {**_COMMON,
+         "DynamicInferenceContext.add_request": "534c2a2ae3b4f713",
+         "KVBlockAllocator._deregister_blocks": "020a9b57fd732f2c",
+         "KVBlockAllocator.release_memory_blocks": "8ba279d0ba796a52"}
+FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018,
+                "0.19.0": _V019, "0.19.2": _V019}
+
+#: Bumped by every ``swap_model_weights`` call; contexts flush when theirs is behind.
+_current_version = 0
+# One flush at a time, whoever asks (the engine's thread, a trainer thread calling the API).
+_LOCK = threading.RLock()
+
+
+@dataclass(frozen=True)
+class InvalidationResult:
+    """What one flush of a context's prefix cache did.
+
+    Attributes:
+        blocks_unreachable: registered blocks still held by live requests, now unhashed (they
+            stay allocated to their holders and go back to the free pool when released).
+        blocks_freed: cached blocks at ref count 0 (LRU), deregistered and returned to the
+            free pool.
+        kept: True when ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep``: nothing was done.
+    """
+
+    blocks_unreachable: int = 0
+    blocks_freed: int = 0
+    kept: bool = False
+
+
+def on_weight_update_mode() -> str:
+    """``MEGATRON_EXT_ON_WEIGHT_UPDATE``: ``invalidate`` (default) or ``keep``.
+
+    Raises:
+        MegatronExtError: any other value (named, with the accepted ones).
+    """
+    return choice(ON_WEIGHT_UPDATE_ENV, ON_WEIGHT_UPDATE_MODES)
+
+
+def context_epoch(context: Any) -> int:
+    """How many times this context's prefix cache was flushed (0 before the first flush)."""
+    return context.__dict__.get(EPOCH_ATTR, 0)
+
+
+def is_stale(context: Any, req: Any) -> bool:
+    """Whether ``req`` began its prefill before the context's last flush (untagged: not yet
+    admitted, so not stale)."""
+    return req.__dict__.get(REQUEST_EPOCH_ATTR, context_epoch(context)) != context_epoch(context)
+
+
+def flush(context: Any) -> InvalidationResult:
+    """Make every block registered in ``context``'s prefix cache unmatchable (module docstring).
+
+    Args:
+        context: a ``DynamicInferenceContext``; with prefix caching off only the epoch advances.
+
+    Returns:
+        An :class:`InvalidationResult`. Ref counts, block tables and the blocks live requests
+        hold are unchanged.
+    """
+    with _LOCK:
+        context.__dict__[EPOCH_ATTR] = context_epoch(context) + 1
+        context.__dict__[SEEN_VERSION_ATTR] = _current_version
+        allocator = context.kv_block_allocator
+        if not allocator.enable_prefix_caching:
+            return InvalidationResult()
+        registered = torch.nonzero(allocator.block_hashes != -1).flatten()
+        held = allocator.block_ref_counts[registered] > 0
+        cached, live = registered[~held], registered[held]
+        if cached.numel():
+            # a block's parent is cached whenever the block is, so the forest stays whole
+            allocator._deregister_blocks(cached.to(allocator.block_bag.dtype))
+        if live.numel():
+            _unhash_live_blocks(allocator, live)
+        allocator.kv_hash_to_block_id.clear()  # every registered block is gone from it now
+        return InvalidationResult(int(live.numel()), int(cached.numel()))
+
+
+def _unhash_live_blocks(allocator: Any, blocks: torch.Tensor) -> None:
+    """Remove ``blocks`` (int64, on the bookkeeping device) from the prefix cache, allocation
+    untouched. Their parents are live too (a request holds its whole prefix), so the whole
+    subforest goes and the parent / child tables are simply cleared for them."""
+    ids = blocks.tolist()
+    hashes = allocator.block_hashes[blocks].tolist()
+    callback = getattr(allocator, "on_blocks_deregistered", None)
+    if callback is not None:  # the Mamba state cache of hybrid models, keyed by the same hashes
+        callback(ids, set(hashes))
+    allocator.block_hashes[blocks] = -1
+    if hasattr(allocator, "block_parent_id"):  # LRU: 0.19's forest, or the backport of fix 3
+        allocator.block_parent_id[blocks] = -1
+        allocator.block_child_count[blocks] = 0
+
+
+def _sync_weight_version(context: Any) -> None:
+    """Flush ``context`` if ``swap_model_weights`` ran since it last flushed."""
+    if SWAP_HOOK.pending:
+        SWAP_HOOK.wrap_if_ready()
+    if context.__dict__.get(SEEN_VERSION_ATTR, 0) != _current_version:
+        flush(context)
+
+
+def _request_of(args: tuple, kwargs: dict) -> Any:
+    return kwargs["req"] if "req" in kwargs else args[0]
+
+
+def _find_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
+    """``_find_kv_match_count(req, start_block, end_block)``: no match for a stale request.
+
+    Every prefix match goes through it (``check_availability``, ``add_request``, the engine's
+    scheduler), so the budgets the scheduler computes agree with what ``add_request`` does.
+    """
+    if context.enable_prefix_caching:
+        _sync_weight_version(context)
+        if is_stale(context, _request_of(args, kwargs)):
+            return [], 0
+    return wrapped(*args, **kwargs)
+
+
+def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
+    """``add_request(req, prefill_chunk_length=None)``: stamp a first chunk with the epoch; a
+    stale request's later chunks run with its block hashes hidden, so it registers nothing."""
+    if not context.enable_prefix_caching:
+        return wrapped(*args, **kwargs)
+    _sync_weight_version(context)
+    req = _request_of(args, kwargs)
+    if req.finished_chunk_token_count == 0:  # a new request, or one re-added from scratch
+        req.__dict__[REQUEST_EPOCH_ATTR] = context_epoch(context)
+    if not is_stale(context, req):
+        return wrapped(*args, **kwargs)
+    hashes, req.precomputed_block_hashes = req.precomputed_block_hashes, []
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        req.precomputed_block_hashes = hashes
+
+
+def _reinitialize_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
+    """``reinitialize_inference_state_buffers()``: called by ``engine.resume()``; a real
+    reallocation (the context was suspended) means the weights may have changed meanwhile."""
+    was_suspended = not context.is_tensor_state_allocated
+    result = wrapped(*args, **kwargs)
+    if was_suspended:
+        flush(context)
+    return result
+
+
+def _swap_wrapper(wrapped: Callable, _instance: Any, args: tuple, kwargs: dict):
+    """``swap_model_weights(...)``: every context flushes at its next prefix match."""
+    global _current_version
+    try:
+        return wrapped(*args, **kwargs)
+    finally:  # a swap that failed half way changed weights too
+        with _LOCK:
+            _current_version += 1
+
+
+class WeightUpdateInvalidationPatch(Patch):
+    """Flushes the prefix cache at each weight update (see module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "weight-update-invalidation"
+        self.fingerprints = FINGERPRINTS
+
+    def wrappers(self) -> dict[Target, Callable]:
+        return {ADD_REQUEST: _add_request_wrapper, FIND_MATCH: _find_match_wrapper,
+                REINITIALIZE: _reinitialize_wrapper}
+
+    def checked_functions(self) -> tuple[Target, ...]:
+        return (*self.wrappers(), DEREGISTER, RELEASE)
+
+    def needed(self) -> tuple[bool, str]:
+        return True, ("no megatron-core release up to 0.19.2 (nor upstream main) drops or salts the "
+                      "prefix cache when weights change")
+
+    def plan(self, version: str, force: bool) -> PatchResult:
+        if on_weight_update_mode() == "keep" and not self.is_applied():
+            return self.result(PatchState.NOT_APPLIED, f"{ON_WEIGHT_UPDATE_ENV}=keep: prefix-cached KV "
+                               "is reused across weight updates (upstream behaviour)")
+        return super().plan(version, force)
+
+    def install(self) -> None:
+        super().install()
+        SWAP_HOOK.install()
+
+    def uninstall(self) -> bool:
+        SWAP_HOOK.uninstall()
+        return super().uninstall()
+
+
+class _SwapHook:
+    """Wraps ``swap_model_weights`` in its module and in every module that imported the name.
+
+    Importing the refit module imports the dynamic context, which is when ``MEGATRON_EXT_AUTO``
+    applies the patches: the refit module may then be half-initialized, its function not defined
+    yet. It is wrapped now if it is defined, else when the module finishes importing (a
+    post-import hook, or the next prefix match, whichever comes first).
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self.original: Optional[Callable] = None
+        self.wrapper: Optional[Callable] = None
+        self._hooked = False
+
+    @property
+    def pending(self) -> bool:
+        """Installed but not wrapped yet (the refit module was half-imported at install)."""
+        return self.active and self.original is None
+
+    def install(self) -> None:
+        self.active = True
+        module = sys.modules.get(REFIT_MODULE)
+        if module is None and not self._hooked:
+            import wrapt
+
+            wrapt.register_post_import_hook(lambda _module: self.wrap_if_ready(), REFIT_MODULE)
+            self._hooked = True
+        self.wrap_if_ready()
+
+    def wrap_if_ready(self) -> bool:
+        """Wrap the function if it is defined and not wrapped yet; whether it is wrapped now."""
+        if not self.active or self.original is not None:
+            return self.original is not None
+        function = getattr(sys.modules.get(REFIT_MODULE), SWAP, None)
+        if function is None:
+            return False
+        import wrapt
+
+        self.original = function
+        self.wrapper = wrapt.FunctionWrapper(function, _swap_wrapper)
+        self._rebind(function, self.wrapper)
+        return True
+
+    def uninstall(self) -> None:
+        self.active = False
+        if self.original is not None:
+            # modules that imported the name after wrapping hold the wrapper too: scan, not a list
+            self._rebind(self.wrapper, self.original)
+        self.original = self.wrapper = None
+
+    @staticmethod
+    def _rebind(old: Callable, new: Callable) -> None:
+        """Every loaded module whose global ``swap_model_weights`` is ``old`` gets ``new``."""
+        for module in list(sys.modules.values()):
+            if getattr(module, "__dict__", {}).get(SWAP) is old:
+                setattr(module, SWAP, new)
+
+
+#: The one hook of the process (the patch instance in ALL_PATCHES installs and removes it).
+SWAP_HOOK = _SwapHook()

@@ -1,0 +1,254 @@
+"""Fault 8: no request admitted after a weight update matches a block cached before it.
+
+A real ``DynamicInferenceContext`` on the CPU with 8 usable KV blocks of 16 tokens (block 8 is the
+dummy block); ``add_request`` takes new blocks from the end of the free pool, so a fresh pool
+hands out [6, 7] first. Prompts: A is two blocks, B one block. The weight update is what a user's
+loop does: ``engine.resume()`` after ``suspend()`` (the context's buffers reallocated),
+``swap_model_weights``, or ``megatron_ext.invalidate_prefix_cache``. With
+``MEGATRON_EXT_TEST_UNPATCHED=1`` every test that flushes fails (on every release: no release
+has a fix).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import megatron_ext
+from megatron_ext.cpu_backend import cuda_on_cpu
+from megatron_ext.errors import MegatronExtError, WeightUpdatePatchNotApplied
+from megatron_ext.harness.factories import small_prefix_caching_context
+from megatron_ext.patches import weight_update_invalidation as fault8
+
+from .conftest import UNPATCHED
+from .context_factory import BLOCK, finish_chunk, make_request
+
+A = list(range(1000, 1032))
+B = list(range(2000, 2016))
+DUMMY = 8
+KV_BYTES_PER_BLOCK = 2 * 2 * BLOCK * 4 * 16 * 4  # K and V, 2 layers, 16 tokens, 4 heads x 16, fp32
+
+
+@pytest.fixture(params=["REF_ZERO", "LRU"])
+def ctx(request, runtime_patches):
+    with cuda_on_cpu():
+        yield small_prefix_caching_context(
+            request.param, block_size_tokens=BLOCK, buffer_size_gb=9 * KV_BYTES_PER_BLOCK / 2**30,
+            max_requests=8, max_tokens=256, max_sequence_length=256,
+        )
+
+
+def invalidate(context) -> fault8.InvalidationResult:
+    """The weight update, as a loop without suspend/resume reports it (unpatched: nothing)."""
+    if UNPATCHED:
+        return fault8.InvalidationResult()
+    return megatron_ext.invalidate_prefix_cache(context)
+
+
+def lru(context) -> bool:
+    return context.kv_block_allocator.prefix_caching_eviction_policy.name == "LRU"
+
+
+def registered(context) -> dict[int, int]:
+    """Block ID -> hash of every registered block."""
+    return {b: h for b, h in enumerate(context.kv_block_allocator.block_hashes.tolist()) if h != -1}
+
+
+def ref_counts(context) -> list[int]:
+    return context.kv_block_allocator.block_ref_counts.tolist()
+
+
+def table(context, row: int, count: int) -> list[int]:
+    return context.request_to_kv_block_ids[row][:count].tolist()
+
+
+def retire(context, rows: list[int]) -> None:
+    """The requests in ``rows`` finish: their blocks are released (rows stay, as in a test)."""
+    context.release_memory_blocks_from_request_indexes(torch.tensor(rows))
+
+
+def test_cached_and_live_blocks_become_unmatchable_and_the_books_stay_whole(ctx):
+    allocator = ctx.kv_block_allocator
+    ctx.add_request(make_request(1, A))  # row 0 holds [6, 7]
+    ctx.add_request(make_request(2, B))  # row 1 holds [5]
+    assert table(ctx, 0, 2) == [6, 7] and table(ctx, 1, 1) == [5]
+    retire(ctx, [1])  # B finishes: LRU keeps block 5 cached at ref 0; REF_ZERO frees it
+    hash_a = make_request(0, A).precomputed_block_hashes
+    assert registered(ctx) == ({6: hash_a[0], 7: hash_a[1], 5: make_request(0, B).precomputed_block_hashes[0]}
+                               if lru(ctx) else {6: hash_a[0], 7: hash_a[1]})
+    avail_before = allocator.total_avail
+
+    result = invalidate(ctx)
+
+    assert result == fault8.InvalidationResult(blocks_unreachable=2, blocks_freed=1 if lru(ctx) else 0)
+    assert registered(ctx) == {} and allocator.kv_hash_to_block_id == {}
+    assert ref_counts(ctx)[5:8] == [0, 1, 1]  # A's holder keeps its blocks
+    assert allocator.total_avail == avail_before + (1 if lru(ctx) else 0)  # cached B back in the pool
+    if lru(ctx):
+        assert allocator.block_parent_id.tolist() == [-1] * 9
+        assert allocator.block_child_count.tolist() == [0] * 9
+
+    # A request with A's prompt matches nothing, computes its own blocks and registers them ...
+    matched = ctx.prefix_cache_blocks_matched
+    ctx.add_request(make_request(3, A))
+    own = table(ctx, 2, 2)
+    assert ctx.prefix_cache_blocks_matched == matched
+    assert set(own).isdisjoint({6, 7, DUMMY})
+    assert registered(ctx) == {own[0]: hash_a[0], own[1]: hash_a[1]}
+    # ... which the next one matches: caching works within a weight version.
+    ctx.add_request(make_request(4, A + [7]))
+    assert table(ctx, 3, 2) == own
+    assert ctx.prefix_cache_blocks_matched == matched + 2
+
+    # A's first holder finishes: its unhashed blocks go back to the free pool under both policies.
+    avail = allocator.total_avail
+    retire(ctx, [0])
+    assert ref_counts(ctx)[6:8] == [0, 0]
+    assert allocator.total_avail == avail + 2
+    assert sorted(allocator.block_bag[allocator.total_avail - 2: allocator.total_avail].tolist()) == [6, 7]
+
+
+def test_a_chunked_prefill_straddling_the_update_neither_matches_nor_registers(ctx):
+    prompt = A + B  # three blocks, prefilled in two chunks of 24 tokens
+    hashes = make_request(0, prompt).precomputed_block_hashes
+    straddler = make_request(1, prompt)
+    ctx.add_request(straddler, 24)  # row 0: blocks [6, 7]; block 6 complete and registered
+    finish_chunk(ctx, straddler, 24)
+    assert registered(ctx) == {6: hashes[0]}
+
+    invalidate(ctx)
+    # After the update another request computes the whole prompt and registers its blocks.
+    allocator = ctx.kv_block_allocator
+    fresh = allocator.allocate_memory_blocks(3).tolist()
+    assert fresh == [3, 4, 5]
+    allocator.register_kv_block_hashes(fresh, hashes)
+
+    # The straddler's last chunk: its KV so far is the old weights', so it neither matches the
+    # fresh block 2 nor registers the blocks it completes now (7, and its new block 2).
+    matched = ctx.prefix_cache_blocks_matched
+    ctx.add_request(straddler, 24)
+    assert ctx.prefix_cache_blocks_matched == matched
+    assert table(ctx, 0, 3) == [6, 7, 2]
+    assert registered(ctx) == dict(zip(fresh, hashes))
+    assert allocator.kv_hash_to_block_id == {h: b for b, h in zip(fresh, hashes)}
+    assert straddler.precomputed_block_hashes == hashes  # hidden only during its add_request
+
+
+def test_a_request_queued_before_the_update_matches_only_blocks_cached_after_it(ctx):
+    queued = make_request(9, A)  # created (hashes computed) before the update
+    ctx.add_request(make_request(1, A))
+    retire(ctx, [0])
+    invalidate(ctx)
+    matched = ctx.prefix_cache_blocks_matched
+    ctx.add_request(queued)
+    assert ctx.prefix_cache_blocks_matched == matched
+    assert set(table(ctx, 1, 2)) == set(registered(ctx))
+
+
+def test_resume_after_suspend_is_a_weight_update(ctx):
+    ctx.add_request(make_request(1, A))
+    ctx.reinitialize_inference_state_buffers()  # not suspended: nothing happens
+    assert len(registered(ctx)) == 2
+    ctx.deallocate_inference_state_buffers()  # engine.suspend() (PERSIST: bookkeeping kept)
+    ctx.reinitialize_inference_state_buffers()  # engine.resume()
+    assert registered(ctx) == {}
+    assert ref_counts(ctx)[6:8] == [1, 1]
+
+
+def test_swap_model_weights_flushes_every_context_at_its_next_prefix_match(ctx):
+    refit = importlib.import_module(fault8.REFIT_MODULE)
+    package = importlib.import_module("megatron.core.resharding")
+    ctx.add_request(make_request(1, A))
+    retire(ctx, [0])
+    epoch = fault8.context_epoch(ctx)
+    assert package.swap_model_weights is refit.swap_model_weights  # one name, every module
+    with pytest.raises(TypeError):  # fails before copying anything: still counts as an update
+        refit.swap_model_weights(None, None, refit_method=object())
+    assert len(registered(ctx)) == (2 if lru(ctx) else 0)  # lazily: nothing happened yet
+    matched = ctx.prefix_cache_blocks_matched
+    ctx.add_request(make_request(2, A))
+    assert ctx.prefix_cache_blocks_matched == matched
+    assert fault8.context_epoch(ctx) == epoch + 1
+
+
+def test_swap_model_weights_is_restored_by_revert(runtime_patches):
+    refit = importlib.import_module(fault8.REFIT_MODULE)
+    package = importlib.import_module("megatron.core.resharding")
+    wrapped = refit.swap_model_weights
+    megatron_ext.revert()
+    assert refit.swap_model_weights is package.swap_model_weights
+    assert not hasattr(refit.swap_model_weights, "__wrapped__")
+    if not UNPATCHED:
+        assert wrapped.__wrapped__ is refit.swap_model_weights
+
+
+def test_invalidate_is_idempotent(ctx):
+    ctx.add_request(make_request(1, A))
+    first, second = invalidate(ctx), invalidate(ctx)
+    assert (first.blocks_unreachable, second) == (2, fault8.InvalidationResult())
+
+
+@pytest.mark.skipif(UNPATCHED, reason="the API itself is megatron-ext's")
+def test_api_takes_an_engine_or_a_context_and_refuses_anything_else(ctx):
+    engine = type("Engine", (), {"context": ctx})()
+    ctx.add_request(make_request(1, A))
+    assert megatron_ext.invalidate_prefix_cache(engine).blocks_unreachable == 2
+    with pytest.raises(TypeError, match="DynamicInferenceEngine or DynamicInferenceContext, not int"):
+        megatron_ext.invalidate_prefix_cache(3)
+
+
+@pytest.mark.skipif(UNPATCHED, reason="the API itself is megatron-ext's")
+def test_keep_leaves_the_patch_out_and_invalidate_does_nothing(ctx, monkeypatch):
+    megatron_ext.revert()
+    monkeypatch.setenv(fault8.ON_WEIGHT_UPDATE_ENV, "keep")
+    state = {r.patch: r for r in megatron_ext.apply()}["weight-update-invalidation"]
+    assert state.state.value == "not applied" and "MEGATRON_EXT_ON_WEIGHT_UPDATE=keep" in state.reason
+    ctx.add_request(make_request(1, A))
+    assert megatron_ext.invalidate_prefix_cache(ctx) == fault8.InvalidationResult(kept=True)
+    assert len(registered(ctx)) == 2
+
+
+@pytest.mark.skipif(UNPATCHED, reason="the API itself is megatron-ext's")
+def test_a_bad_mode_is_one_line_naming_the_values(monkeypatch):
+    monkeypatch.setenv(fault8.ON_WEIGHT_UPDATE_ENV, "flush")
+    with pytest.raises(MegatronExtError, match="MEGATRON_EXT_ON_WEIGHT_UPDATE='flush' is not one of invalidate, keep"):
+        megatron_ext.status()
+
+
+@pytest.mark.skipif(UNPATCHED, reason="the API itself is megatron-ext's")
+def test_invalidate_without_the_patch_says_to_apply_it(ctx):
+    megatron_ext.revert()
+    with pytest.raises(WeightUpdatePatchNotApplied, match=r"call megatron_ext.apply\(\) first"):
+        megatron_ext.invalidate_prefix_cache(ctx)
+
+
+def test_auto_apply_wraps_swap_model_weights_imported_after_it():
+    """Importing the refit package imports the dynamic context first, where MEGATRON_EXT_AUTO
+    applies: the refit module is wrapped by a post-import hook when it has loaded."""
+    code = ("import megatron.core.resharding.refit as r, megatron.core.resharding as p; "
+            "print(hasattr(r.swap_model_weights, '__wrapped__'), p.swap_model_weights is r.swap_model_weights)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_EXT_")}
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env={**env, "MEGATRON_EXT_AUTO": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.skipif(UNPATCHED, reason="the hook itself is megatron-ext's")
+def test_a_half_imported_refit_module_is_wrapped_at_the_next_prefix_match(ctx, monkeypatch):
+    refit = importlib.import_module(fault8.REFIT_MODULE)
+    megatron_ext.revert()
+    original = refit.swap_model_weights
+    monkeypatch.setitem(sys.modules, fault8.REFIT_MODULE, types.ModuleType(fault8.REFIT_MODULE))  # no function yet
+    megatron_ext.apply()
+    assert fault8.SWAP_HOOK.pending
+    monkeypatch.setitem(sys.modules, fault8.REFIT_MODULE, refit)  # the import finished
+    ctx.add_request(make_request(1, A))
+    assert not fault8.SWAP_HOOK.pending
+    assert refit.swap_model_weights.__wrapped__ is original
