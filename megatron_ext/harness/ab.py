@@ -158,10 +158,31 @@ class ABResult:
         return problems
 
     def _update_mismatches(self) -> list[str]:
-        """Runs whose weight updates were not made at the same steps as caching off's."""
+        """Runs whose weight updates were not made at the same steps as caching off's, or fell at
+        another token of a request in flight (its outputs then differ for that reason alone)."""
         expected = [u.step for u in self.baseline.updates]
-        return [f"{p.policy}: weight updates at steps {[u.step for u in p.run.updates]}, caching off at {expected}"
-                for p in self.policies if [u.step for u in p.run.updates] != expected and not p.run.error]
+        labels = {rid: o.label for rid, o in self.baseline.outputs.items()}
+        problems = []
+        for p in self.policies:
+            if p.run.error:
+                continue
+            if [u.step for u in p.run.updates] != expected:
+                problems.append(f"{p.policy}: weight updates at steps {[u.step for u in p.run.updates]}, "
+                                f"caching off at {expected}")
+                continue
+            for a, b in zip(self.baseline.updates, p.run.updates):
+                moved = [f"{labels[rid]} after {n} tokens vs {a.in_flight_tokens.get(rid, 0)}"
+                         for rid, n in b.in_flight_tokens.items() if n != a.in_flight_tokens.get(rid, 0)]
+                moved += [f"{labels[rid]} finished vs after {n} tokens" for rid, n in a.in_flight_tokens.items()
+                          if rid not in b.in_flight_tokens]
+                if moved:
+                    problems.append(
+                        f"{p.policy}: update {b.index} (step {b.step}) came at another token than with caching off "
+                        f"for {', '.join(moved[:4])}; the new weights start at "
+                        "different tokens, so those requests differ for that reason (megatron-core schedules "
+                        "caching on differently, e.g. it defers a request whose prefix a same-step sibling is "
+                        "computing); move the update or the arrivals")
+        return problems
 
     def exit_code(self) -> int:
         if not self.invariance[0] or not all(r["batch_invariance_ok"] for r in self.ranks):

@@ -21,7 +21,7 @@ from .weight_updates import UpdateRecord, WeightUpdater
 
 
 def make_update(engine: Any, context: Any, updater: WeightUpdater, audit: ContextAudit, index: int, step: int,
-                outputs: dict, finished: set[int]) -> UpdateRecord:
+                outputs: dict, finished: set[int], generated: dict[int, int]) -> UpdateRecord:
     """Update the weights (update ``index`` + 1) at engine step ``step``, with the engine calls
     the case asks for; returns what was done.
 
@@ -33,13 +33,14 @@ def make_update(engine: Any, context: Any, updater: WeightUpdater, audit: Contex
         step: the engine step (loop iteration) of the update.
         outputs: the run's outputs so far (request ID -> ``RequestOutput``).
         finished: request IDs finished so far; the others in ``outputs`` are in flight.
+        generated: request ID -> tokens generated so far, for the requests in flight.
 
     Raises:
         WeightUpdateError, CheckpointError: see :meth:`WeightUpdater.update`.
     """
     spec = updater.spec
     record = UpdateRecord(index=index + 1, step=step, kind=spec.kind, suspend_resume=spec.suspend_resume,
-                          in_flight=sorted(set(outputs) - finished))
+                          in_flight=sorted(set(outputs) - finished), in_flight_tokens=dict(sorted(generated.items())))
     if spec.suspend_resume:
         engine.suspend()
         updater.update(record, outputs, finished)

@@ -214,8 +214,9 @@ def drive(
             on_step(steps)
 
     def update(index: int) -> None:
+        generated = {rid: _generated(engine, rid) for rid in record.outputs if rid not in finished}
         record.updates.append(make_update(engine, context, updater, audit, index, record.steps,
-                                          record.outputs, finished))
+                                          record.outputs, finished, generated))
 
     at_steps = updater.spec.update_at_steps if updater is not None else ()
     try:

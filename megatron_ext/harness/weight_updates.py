@@ -50,6 +50,9 @@ class UpdateRecord:
         kind: ``train_step``, ``perturb`` or ``checkpoint``.
         suspend_resume: made between ``engine.suspend()`` and ``engine.resume()``.
         in_flight: request IDs live in the engine at the update (they run on across it).
+        in_flight_tokens: request ID -> tokens it had generated at the update (for each of
+            ``in_flight``). Caching off and on must agree: otherwise the new weights start at a
+            different token of that request and its outputs cannot be compared.
         trained_on: ``train_step``: request IDs whose prompt + generated tokens were the batch
             (earlier rounds' requests that finished since the previous update).
         loss: ``train_step``: mean cross-entropy (nats per predicted token) before the step.
@@ -66,6 +69,7 @@ class UpdateRecord:
     kind: str
     suspend_resume: bool
     in_flight: list[int] = field(default_factory=list)
+    in_flight_tokens: dict[int, int] = field(default_factory=dict)
     trained_on: list[int] = field(default_factory=list)
     loss: Optional[float] = None
     weights_sha256: str = ""
