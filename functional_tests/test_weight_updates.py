@@ -36,13 +36,18 @@ requests:
 """
 
 
+#: Stale hits of ``rl_weight_update`` with ``keep``, per release series (measured).
+RL_KEEP_STALE_HITS = {"0.17": {"ref_zero": 11, "lru": 28}, "0.18": {"ref_zero": 11, "lru": 28},
+                      "0.19": {"ref_zero": 12, "lru": 30}}
+
+
 def differing(result) -> dict[str, list[tuple[str, bool]]]:
     """Policy -> (label, tokens equal) of each request that differs from caching off."""
     return {p.policy: [(d.label, d.tokens_equal) for d in p.diffs if not d.identical] for p in result.policies}
 
 
 @pytest.mark.slow
-def test_rl_weight_update_keep_has_stale_hits_and_differs(monkeypatch):
+def test_rl_weight_update_keep_has_stale_hits_and_differs(monkeypatch, mcore_series):
     monkeypatch.setenv("MEGATRON_EXT_ON_WEIGHT_UPDATE", "keep")
     result = run_ab(load_case("rl_weight_update"), patched=True)
     state = {p["patch"]: p["state"] for p in result.patches}
@@ -50,14 +55,14 @@ def test_rl_weight_update_keep_has_stale_hits_and_differs(monkeypatch):
     stale = {p.policy: p.run.audit.stale_hits for p in result.policies}
     # round 1's samples match the system prompt held by the rollout in flight (REF_ZERO and LRU);
     # under LRU round 2 also matches round 0's cached blocks
-    assert stale == {"ref_zero": 12, "lru": 30}
+    assert stale == RL_KEEP_STALE_HITS[mcore_series]
     assert result.baseline.audit.stale_hits == 0
     round_1 = [(f"r2.s{i}", False) for i in range(4)]  # new tokens, not just log-prob bits
     assert differing(result)["ref_zero"][:4] == round_1
     assert differing(result)["lru"][:4] == round_1
     failures = result.failures()
-    assert failures[0] == ("fault 8 (weight-update-invalidation): 42 stale hits: requests admitted after a "
-                           "weight update matched KV blocks cached under older weights")
+    assert failures[0] == (f"fault 8 (weight-update-invalidation): {sum(stale.values())} stale hits: requests "
+                           "admitted after a weight update matched KV blocks cached under older weights")
     assert result.exit_code() == 1
     for run in result.runs:  # same updates at the same steps, the in-flight rollout at the same token
         assert [(u.index, u.step, u.in_flight, u.invalidation) for u in run.updates] == [

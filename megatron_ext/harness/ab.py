@@ -335,7 +335,8 @@ def run_ab(
 
     Raises:
         WeightUpdateError: ``update_from`` without a ``checkpoint`` update, a ``checkpoint`` update
-            without checkpoints, or a count that fits neither.
+            without checkpoints, or a count that fits neither; a ``train_step`` update with
+            pipeline parallelism.
         MegatronCoreNotFoundError, CaseFileError (prompt too long or empty), TokenizerError (the
         tokenizer's vocabulary exceeds the model's ``vocab_size``), WorkloadError (see
         :func:`megatron_ext.harness.cases.validate_planned`), CheckpointError (``load``: missing, not a
@@ -355,6 +356,10 @@ def run_ab(
     planned = plan_requests(case, tokenizer)
     validate_planned(planned)  # bad input is refused before anything is built
     at_updates = update_checkpoints(case, update_from)
+    if case.weight_updates is not None and case.weight_updates.kind == "train_step" and pipeline_model_parallel_size > 1:
+        raise WeightUpdateError(f"case '{case.name}': weight_updates kind train_step under pipeline parallelism needs "
+                                "megatron-core's pipeline schedule, which ab does not drive; use kind perturb or "
+                                "checkpoint with --pipeline-model-parallel-size > 1")
     patch_results = apply() if patched else revert()
     patches = [r.as_dict() for r in patch_results]
     with backend(device) as invariance:
