@@ -19,6 +19,7 @@ from megatron_ext.harness.cases import load_case, parse_case
 from megatron_ext.harness.checkpoint import save_checkpoint
 from megatron_ext.harness.engine import build_model, ensure_model_parallel
 from megatron_ext.harness.recorded import compare_recorded, pair_runs
+from megatron_ext.harness.soak import soak_case
 from megatron_ext.harness.weight_updates import weights_sha256
 
 #: A perturbation at step 7 without suspend/resume: request r0 (alone at step 0) is still decoding
@@ -129,3 +130,35 @@ def test_checkpoint_update_loads_the_second_checkpoint(tmp_path):
     assert result.failures() == []
     assert [u.weights_sha256 for run in result.runs for u in run.updates] == [digest] * 3
     assert result.as_json()["weight_updates"]["checkpoints"] == [str(tmp_path / "b")]
+
+
+#: ``soak --requests 40 --seed 0 --update-every 10 --policy lru`` per release series (measured):
+#: requests left out (updated at another token with caching on), (unreachable, freed) blocks per
+#: invalidation; with keep: stale hits and requests that differ.
+SOAK_COUNTS = {"0.17": {"left_out": 10, "invalidations": [(3, 12), (6, 4)], "keep_stale": 25, "keep_differ": 16}}
+
+
+@pytest.mark.slow
+def test_soak_update_every_passes_patched_leaving_out_requests_updated_at_other_tokens(mcore_series):
+    expected = SOAK_COUNTS[mcore_series]
+    result = run_ab(soak_case(40, seed=0, policies=("lru",), update_every=10), patched=True)
+    assert result.failures() == []
+    run = result.policies[0].run
+    assert [(u.index, u.step, u.invalidation) for u in run.updates] == [(1, 10, "invalidated"), (2, 20, "invalidated")]
+    assert [(u.blocks_unreachable, u.blocks_freed) for u in run.updates] == expected["invalidations"]
+    assert result.total("stale_hits") == 0
+    left_out = result.left_out(result.policies[0])
+    differ = [d.request_id for d in result.policies[0].diffs if not d.identical]
+    assert len(left_out) == expected["left_out"] and set(differ) <= set(left_out)  # the other 30: bit-identical
+
+
+@pytest.mark.slow
+def test_soak_update_every_with_keep_has_stale_hits(monkeypatch, mcore_series):
+    expected = SOAK_COUNTS[mcore_series]
+    monkeypatch.setenv("MEGATRON_EXT_ON_WEIGHT_UPDATE", "keep")
+    result = run_ab(soak_case(40, seed=0, policies=("lru",), update_every=10), patched=True)
+    policy = result.policies[0]
+    assert policy.run.audit.stale_hits == expected["keep_stale"]
+    assert sum(not d.identical for d in policy.diffs) == expected["keep_differ"]
+    assert [u.invalidation for u in policy.run.updates] == ["kept", "kept"]
+    assert result.exit_code() == 1

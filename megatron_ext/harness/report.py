@@ -144,6 +144,14 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
         for kind, lines in run.audit.examples.items():
             for line in lines:
                 console.print(f"  [red]{kind}[/] ({run.eviction_policy or 'caching off'}): {line}")
+    for policy in result.policies:
+        left_out = result.left_out(policy)
+        if left_out:
+            labels = ", ".join(result.baseline.outputs[rid].label for rid in left_out[:8])
+            console.print(f"{policy.policy}: {len(left_out)} requests left out of the bit-identity check: a weight "
+                          f"update reached them at another token than with caching off (expectations.update_timing: "
+                          f"exclude): {labels}{', ...' if len(left_out) > 8 else ''}",
+                          markup=False, highlight=False, soft_wrap=True)
     for note in notes:
         console.print(note, markup=False, highlight=False, soft_wrap=True)
     failures = result.failures()
@@ -153,7 +161,11 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
             console.print(f"  - {failure}", markup=False, soft_wrap=True)
     else:
         weights = "" if result.checkpoint is None else f" (weights from {result.checkpoint.path})"
-        console.print(f"[bold green]PASS[/]: {len(result.baseline.outputs)} requests bit-identical with "
+        total = len(result.baseline.outputs)
+        left_out = max((len(result.left_out(p)) for p in result.policies), default=0)
+        counted = f"{total} requests" if not left_out else (
+            f"{total - left_out} of {total} requests ({left_out} left out: updated at another token)")
+        console.print(f"[bold green]PASS[/]: {counted} bit-identical with "
                       f"prefix caching on and off{weights}; every audit holds ({result.wall_s:.1f} s)",
                       soft_wrap=True)
 

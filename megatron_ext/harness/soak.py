@@ -159,7 +159,8 @@ def soak_case(
             inference=inference,
             prefix_caching_eviction_policies=list(policies),
             requests=specs,
-            expectations=Expectations(bit_identical=True, min_blocks_matched=1, min_prefill_tokens_skipped=1),
+            expectations=Expectations(bit_identical=True, min_blocks_matched=1, min_prefill_tokens_skipped=1,
+                                      update_timing="fail" if update_every is None else "exclude"),
         )
     except ValidationError as exc:
         raise CaseFileError(f"soak: {describe_validation_error(exc)}") from None

@@ -90,6 +90,17 @@ def _generated(engine: Any, request_id: int) -> int:
     return sum(len(r.generated_tokens) for r in record)
 
 
+def taken_in(engine: Any, request_id: int) -> int:
+    """Tokens of a live request whose KV the engine has computed: its prompt (only the chunks
+    prefilled so far while it waits in the queue) plus the tokens it generated."""
+    request = engine.requests[request_id].record[-1]
+    if request_id in engine.waiting_request_ids:
+        prompt = request.finished_chunk_token_count
+    else:
+        prompt = len(request.prompt_tokens)
+    return prompt + _generated(engine, request_id)
+
+
 def merged_record(record: Any) -> Any:
     """A finished request's record as one request (0.18+ keep one entry per eviction: merged)."""
     return record.merge() if hasattr(record, "merge") else record
@@ -214,7 +225,7 @@ def drive(
             on_step(steps)
 
     def update(index: int) -> None:
-        generated = {rid: _generated(engine, rid) for rid in record.outputs if rid not in finished}
+        generated = {rid: taken_in(engine, rid) for rid in record.outputs if rid not in finished}
         record.updates.append(make_update(engine, context, updater, audit, index, record.steps,
                                           record.outputs, finished, generated))
 
