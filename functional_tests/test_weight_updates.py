@@ -136,6 +136,7 @@ def test_checkpoint_update_loads_the_second_checkpoint(tmp_path):
 #: requests left out (updated at another token with caching on), (unreachable, freed) blocks per
 #: invalidation; with keep: stale hits and requests that differ.
 SOAK_COUNTS = {"0.17": {"left_out": 10, "invalidations": [(3, 12), (6, 4)], "keep_stale": 25, "keep_differ": 16},
+               "0.18": {"left_out": 10, "invalidations": [(3, 12), (6, 4)], "keep_stale": 25, "keep_differ": 16},
                "0.19": {"left_out": 14, "invalidations": [(3, 12), (14, 6)], "keep_stale": 6, "keep_differ": 18}}
 
 
