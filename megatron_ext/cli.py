@@ -123,7 +123,13 @@ def cmd_ab(args: argparse.Namespace) -> int:
         from .harness.ab import update_checkpoints
         from .harness.checkpoint import resolve_checkpoint
 
-        update_from = update_checkpoints(case, [resolve_checkpoint(path) for path in args.update_from])
+        from .harness.checkpoint import CheckpointError
+
+        try:
+            sources = [resolve_checkpoint(path) for path in args.update_from]
+        except CheckpointError as exc:  # its message names --load, the flag it usually checks
+            raise CheckpointError(str(exc).replace("--load ", "--update-from ", 1)) from None
+        update_from = update_checkpoints(case, sources)
     log = _library_log(args, "ab")
     try:
         with library_output(log) as output, _progress(args, case.name, output, rank) as progress:

@@ -163,3 +163,13 @@ def test_soak_update_every_splits_the_same_workload_into_rounds():
     assert rounds.name == "soak-60-seed0-update-every-15"
     with pytest.raises(ValueError, match="--update-every must be >= 1, got 0"):
         with_weight_updates(plain.requests, 0, 0)
+
+
+def test_update_from_a_missing_directory_names_the_flag(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ab, "build_model", lambda *a, **k: pytest.fail("built a model before refusing"))
+    case = tmp_path / "ck.yaml"
+    case.write_text('name: ck\nweight_updates: {kind: checkpoint, update_at_steps: [5]}\n'
+                    'requests: [{prompt: "a"}, {prompt: "b", round: 1}]\n')
+    assert cli.main(["ab", "--case", str(case), "--update-from", str(tmp_path / "nope"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"megatron-ext: error: --update-from {tmp_path / 'nope'}: no such directory")
