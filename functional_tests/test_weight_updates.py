@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+import megatron_ext
 from megatron_ext.cpu_backend import cpu_backend
 from megatron_ext.harness.ab import run_ab
 from megatron_ext.harness.cases import load_case, parse_case
@@ -42,14 +43,23 @@ RL_KEEP_STALE_HITS = {"0.17": {"ref_zero": 11, "lru": 28}, "0.18": {"ref_zero": 
                       "0.19": {"ref_zero": 12, "lru": 30}}
 
 
+@pytest.fixture
+def keep(monkeypatch):
+    """``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep`` for one test: patches applied by an earlier test are
+    reverted first (``apply()`` keeps what is applied), and again afterwards."""
+    megatron_ext.revert()
+    monkeypatch.setenv("MEGATRON_EXT_ON_WEIGHT_UPDATE", "keep")
+    yield
+    megatron_ext.revert()
+
+
 def differing(result) -> dict[str, list[tuple[str, bool]]]:
     """Policy -> (label, tokens equal) of each request that differs from caching off."""
     return {p.policy: [(d.label, d.tokens_equal) for d in p.diffs if not d.identical] for p in result.policies}
 
 
 @pytest.mark.slow
-def test_rl_weight_update_keep_has_stale_hits_and_differs(monkeypatch, mcore_series):
-    monkeypatch.setenv("MEGATRON_EXT_ON_WEIGHT_UPDATE", "keep")
+def test_rl_weight_update_keep_has_stale_hits_and_differs(keep, mcore_series):
     result = run_ab(load_case("rl_weight_update"), patched=True)
     state = {p["patch"]: p["state"] for p in result.patches}
     assert state["weight-update-invalidation"] == "not applied"
@@ -100,9 +110,9 @@ def test_perturb_with_invalidate_prefix_cache_is_bit_identical(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["keep", "unpatched"])
-def test_perturb_without_invalidation_has_stale_hits(how, monkeypatch):
+def test_perturb_without_invalidation_has_stale_hits(how, request):
     if how == "keep":
-        monkeypatch.setenv("MEGATRON_EXT_ON_WEIGHT_UPDATE", "keep")
+        request.getfixturevalue("keep")
     result = run_ab(parse_case(PERTURB), patched=how == "keep")
     assert {p.policy: p.run.audit.stale_hits for p in result.policies} == {"ref_zero": 6, "lru": 6}
     after_update = [("r2.s0", False), ("r2.s1", False)]
@@ -155,9 +165,8 @@ def test_soak_update_every_passes_patched_leaving_out_requests_updated_at_other_
 
 
 @pytest.mark.slow
-def test_soak_update_every_with_keep_has_stale_hits(monkeypatch, mcore_series):
+def test_soak_update_every_with_keep_has_stale_hits(keep, mcore_series):
     expected = SOAK_COUNTS[mcore_series]
-    monkeypatch.setenv("MEGATRON_EXT_ON_WEIGHT_UPDATE", "keep")
     result = run_ab(soak_case(40, seed=0, policies=("lru",), update_every=10), patched=True)
     policy = result.policies[0]
     assert policy.run.audit.stale_hits == expected["keep_stale"]

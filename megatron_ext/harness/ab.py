@@ -23,6 +23,7 @@ from .checkpoint import CheckpointSource, PathLike, load_checkpoint, resolve_che
 from .checkpoint_args import checkpoint_model_spec
 from .compare import RequestDiff, RequestOutput, compare_runs
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
+from .rounds import left_out, update_mismatches
 from .engine import build_engine, build_model, ensure_model_parallel
 from .step_loop import RunRecord, drive
 from .tokenizer import Tokenizer, check_vocab_fits, default_tokenizer
@@ -159,55 +160,11 @@ class ABResult:
         return problems
 
     def _update_mismatches(self) -> list[str]:
-        """Runs whose weight updates were not made at the same steps as caching off's, or (with
-        ``expectations.update_timing: fail``) reached a request in flight at another token."""
-        expected = [u.step for u in self.baseline.updates]
-        problems = []
-        for p in self.policies:
-            if p.run.error:
-                continue
-            if [u.step for u in p.run.updates] != expected:
-                problems.append(f"{p.policy}: weight updates at steps {[u.step for u in p.run.updates]}, "
-                                f"caching off at {expected}")
-                continue
-            if self.case.expectations.update_timing == "exclude":
-                continue
-            for index, moved in self.updated_at_other_tokens(p).items():
-                update = p.run.updates[index - 1]
-                problems.append(
-                    f"{p.policy}: update {index} (step {update.step}) came at another token than with caching off "
-                    f"for {', '.join(moved[:4])}; the new weights start at different tokens, so those requests "
-                    "differ for that reason (megatron-core schedules caching on differently, e.g. it defers a "
-                    "request whose prefix a same-step sibling is computing); move the update or the arrivals")
-        return problems
-
-    def updated_at_other_tokens(self, policy: PolicyResult) -> dict[int, list[str]]:
-        """Update index -> ``"<label> at token N vs M"`` for each request in flight at that update
-        whose computed tokens (prompt prefilled + generated) differ from caching off's (or that
-        finished in one run only); updates where all agree are left out."""
-        labels = {rid: o.label for rid, o in self.baseline.outputs.items()}
-        out = {}
-        for a, b in zip(self.baseline.updates, policy.run.updates):
-            moved = [f"{labels[rid]} at token {n} vs {a.in_flight_tokens[rid]}" if rid in a.in_flight_tokens
-                     else f"{labels[rid]} at token {n} vs finished"
-                     for rid, n in b.in_flight_tokens.items() if n != a.in_flight_tokens.get(rid)]
-            moved += [f"{labels[rid]} finished vs at token {n}" for rid, n in a.in_flight_tokens.items()
-                      if rid not in b.in_flight_tokens]
-            if moved:
-                out[b.index] = moved
-        return out
+        return update_mismatches(self.case, self.baseline, [(p.policy, p.run) for p in self.policies])
 
     def left_out(self, policy: PolicyResult) -> list[int]:
-        """Request IDs left out of ``policy``'s bit-identity check: with
-        ``expectations.update_timing: exclude``, those a weight update reached at another token
-        than with caching off; else none."""
-        if self.case.expectations.update_timing != "exclude":
-            return []
-        moved: set[int] = set()
-        for a, b in zip(self.baseline.updates, policy.run.updates):
-            ids = set(a.in_flight_tokens) | set(b.in_flight_tokens)
-            moved |= {rid for rid in ids if a.in_flight_tokens.get(rid) != b.in_flight_tokens.get(rid)}
-        return sorted(moved)
+        """Request IDs left out of ``policy``'s bit-identity check (:func:`~megatron_ext.harness.rounds.left_out`)."""
+        return left_out(self.case, self.baseline, policy.run)
 
     def exit_code(self) -> int:
         if not self.invariance[0] or not all(r["batch_invariance_ok"] for r in self.ranks):
