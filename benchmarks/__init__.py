@@ -4,7 +4,8 @@ Measurement side, run inside one worker process per megatron-core release:
 
 * :mod:`.worker`: ``python -m benchmarks.worker`` with that release's tree first on
   ``PYTHONPATH``; answers JSON-line requests from the orchestrator on stdin/stdout;
-* :mod:`.release`, :mod:`.add_request`, :mod:`.e2e`: sections 1, 2 and 3.
+* :mod:`.release`, :mod:`.add_request`, :mod:`.e2e`: sections 1, 2 and 3 (and 5);
+  :mod:`.weight_update`: section 6 (fault 8's patch, and its flush).
 
 Orchestrator side (these modules import neither torch nor megatron-core, so that the script
 starts in a second; ``scripts/bench.py`` loads them without running ``megatron_ext/__init__``):

@@ -17,7 +17,10 @@ variants alike. ``add_request`` touches only CPU tensors, so it needs no stand-i
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
+
+import torch
 
 from megatron_ext.cpu_backend import cuda_on_cpu
 from megatron_ext.harness.factories import prefix_caching_request, small_prefix_caching_context
@@ -81,6 +84,10 @@ class AddRequestBench:
 
     def probe_once(self, function: Any) -> dict[str, Any]:
         """Add the probe once with ``function`` installed; what it did (checked equal across variants)."""
+        with cpu_current_device():
+            return self._probe_once(function)
+
+    def _probe_once(self, function: Any) -> dict[str, Any]:
         setattr(self.cls, "add_request", function)
         ctx = self.context
         self._prepare()
@@ -98,4 +105,22 @@ class AddRequestBench:
         """``reps`` back-to-back timed ``add_request`` calls of the probe; (wall ns, CPU ns)."""
         setattr(self.cls, "add_request", function)
         ctx, probe = self.context, self.probe
-        return time_calls(self._prepare, lambda: ctx.add_request(probe), reps)
+        with cpu_current_device():
+            return time_calls(self._prepare, lambda: ctx.add_request(probe), reps)
+
+
+@contextlib.contextmanager
+def cpu_current_device() -> Iterator[None]:
+    """Without CUDA, ``torch.cuda.current_device`` answers ``"cpu"`` meanwhile: 0.17's
+    ``add_request`` and allocator ``reset`` ask it for the device of new tensors (0.18 and 0.19
+    do not call it). A plain function, the same in every variant, instead of ``cuda_on_cpu``'s
+    ``TorchFunctionMode`` (which intercepts every torch call)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original

@@ -62,7 +62,7 @@ class _InsideTimer:
     cost (two clock reads per call) is the same in both variants.
     """
 
-    CONTEXT = ("add_request", "check_availability", "resume_paused_requests")
+    CONTEXT = ("add_request", "check_availability", "resume_paused_requests", "_find_kv_match_count")
     ALLOCATOR = ("release_memory_blocks", "register_kv_block_hashes", "evict_lru_blocks",
                  "_deregister_blocks")
 

@@ -102,15 +102,22 @@ ENGINE_TABLE_TITLES = {"e2e": "3. End to end: engine step time",
                        "lru": "5. LRU under memory pressure: engine step time"}
 
 
+#: What u and p stand for in the engine-step-time tables, per section.
+ENGINE_VARIANTS = {"weight_update": "u = every runtime patch but weight-update-invalidation, "
+                                    "p = every runtime patch"}
+
+
 def e2e_table(section: dict[str, Any], name: str = "e2e") -> Table:
-    """Sections 3 and 5 (``name``): engine step time, patched vs unpatched."""
+    """Sections 3, 5 and 6b (``name``): engine step time, patched vs unpatched."""
     clock = section["clock"]
     other = "wall" if clock == "cpu" else "cpu"
     step_key, estimate_key = f"step_{clock}_us", f"run_estimate_{clock}_ms"
     case = section["case"] + (" (shortened for --short)" if section["short_case"] else "")
-    table = Table(title=f"{ENGINE_TABLE_TITLES[name]}, case {case}, CPU backend, prefix caching on "
+    title = ENGINE_TABLE_TITLES.get(name) or WU_TITLES["e2e"]
+    variants = ENGINE_VARIANTS.get(name, "u = unpatched, p = patched")
+    table = Table(title=f"{title}, case {case}, CPU backend, prefix caching on "
                         f"({CLOCK_NAMES[clock]})",
-                  caption="u = unpatched, p = patched. step µs: median over every step of every run. "
+                  caption=f"{variants}. step µs: median over every step of every run. "
                           "run ms: floor = sum over "
                           "step indexes of the per-step minimum over runs (interference only adds time; "
                           "the patches' cost is in every sample); median = the same with per-step "
@@ -151,6 +158,114 @@ def e2e_table(section: dict[str, Any], name: str = "e2e") -> Table:
             _v(row["verdict"]),
         )
     return table
+
+
+#: Titles of section 6's tables.
+WU_TITLES = {"add_request": "6a. Weight-update invalidation (fault 8): DynamicInferenceContext.add_request",
+             "e2e": "6b. Weight-update invalidation (fault 8): engine step time",
+             "flush": "6c. Weight-update invalidation (fault 8): the flush, invalidate_prefix_cache(context)"}
+
+
+def weight_update_tables(section: dict[str, Any]) -> list[Table]:
+    """Section 6: add_request ratios, engine step time, and the flush's time in ms."""
+    clock = section["clock"]
+    key = f"{clock}_us"
+    targets = section["targets"]
+    add = section["add_request"]
+    add_table = Table(
+        title=f"{WU_TITLES['add_request']}, µs per call ({CLOCK_NAMES[clock]}), median [IQR]",
+        caption=f"fault8 = only weight-update-invalidation's wrappers (add_request, _find_kv_match_count); "
+                f"unpatched = the release's own code (every other patch off in both); pass-through = a "
+                "do-nothing wrapt wrapper on the same functions (what wrapping alone costs). Policy "
+                f"{add['policy']}; {add['rounds']} rounds x {add['batch']} calls per variant, alternating; "
+                "the context is reset and a primer request added (untimed) before each call. "
+                f"Target: fault8/unpatched <= {targets['wu_add_request']:.2f}.",
+        caption_justify="left")
+    for name in ("release", "prompt", "match", "matched blocks", "same outcome", "unpatched", "fault8",
+                 "overhead µs: fault8 / pass-through", "fault8/unpatched (rounds IQR)", "pass-through/unpatched",
+                 "wall ratio", "verdict"):
+        add_table.add_column(name, justify="left" if name in ("release", "match") else "right")
+    for row in add["rows"]:
+        v = row["variants"]
+        ratio = row["ratios"]["fault8/unpatched"]
+        add_table.add_row(
+            row["release"], f"{row['prompt_tokens']:,}", row["match"],
+            str(row["outcomes"]["fault8"]["blocks_matched"]),
+            "yes" if row["same_outcome"] else "[red]NO[/]",
+            _t(v["unpatched"][key]), _t(v["fault8"][key]),
+            f"{row['overhead_us']:+.1f} / {row['passthrough_overhead_us']:+.1f}",
+            _r(ratio, clock, f"rounds_{clock}"), f"{row['ratios']['passthrough8/unpatched'][clock]:.2f}",
+            f"{ratio['wall' if clock == 'cpu' else 'cpu']:.2f}",
+            _v(row["verdict"]),
+        )
+    flush = section["flush"]
+    flush_table = Table(
+        title=f"{WU_TITLES['flush']}, ms per call ({CLOCK_NAMES[clock]}), median [IQR] (min–max)",
+        caption=f"A real DynamicInferenceContext, {flush['pool']:,}-block pool, {flush['registered']:,} "
+                "registered blocks in 16-block prompt chains, every patch applied. held: blocks "
+                "live requests hold (unhashed by the flush); ref-0: cached blocks (LRU; freed by the "
+                "flush). flush = megatron_ext.invalidate_prefix_cache; age out = the alternative "
+                "(ref-0 blocks left hashed and unreachable, hash map cleared, held blocks unhashed; "
+                "a cost model, not a drop-in). The state is rebuilt (untimed) before every call; "
+                f"{flush['rounds']} rounds x {flush['batch']} calls per variant, alternating. "
+                f"Target: flush median <= {targets['wu_flush_ms']:.0f} ms.",
+        caption_justify="left")
+    for name in ("release", "scenario", "held", "ref-0", "did: unhashed / freed", "flush ms", "age out ms",
+                 "free at once costs ms", "wall flush ms", "verdict"):
+        flush_table.add_column(name, justify="left" if name in ("release", "scenario") else "right")
+    clock_ms = f"{clock}_ms"
+    other_ms = "wall_ms" if clock == "cpu" else "cpu_ms"
+    for row in flush["rows"]:
+        v = row["variants"]
+        did = row["outcomes"]["flush"]
+        flush_table.add_row(
+            row["release"], row["scenario"], f"{row['state']['held']:,}", f"{row['state']['cached_ref0']:,}",
+            f"{did['blocks_unreachable']:,} / {did['blocks_freed']:,}",
+            f"{_t(v['flush'][clock_ms], 2)} ({_range(v['flush'][clock_ms], 2)})",
+            f"{_t(v['age_out'][clock_ms], 2)} ({_range(v['age_out'][clock_ms], 2)})",
+            f"{row['free_at_once_extra_ms']:+.2f}",
+            f"{_t(v['flush'][other_ms], 2)}" if clock == "cpu" else f"cpu {_t(v['flush'][other_ms], 2)}",
+            _v(row["verdict"]),
+        )
+    if clock == "wall":
+        flush_table.columns[8].header = "cpu flush ms"
+    parts = {"add_request": add_table, "e2e": e2e_table(section["e2e"], "weight_update"), "flush": flush_table}
+    return [table for name, table in parts.items() if section[name]["rows"]]
+
+
+def weight_update_summary(section: dict[str, Any]) -> list[str]:
+    """One line per part of section 6: rows passing, and the worst figure."""
+    clock = section["clock"]
+    targets = section["targets"]
+    lines = []
+    add = section["add_request"]["rows"]
+    if add:
+        worst = max(r["ratios"]["fault8/unpatched"][clock] for r in add)
+        passed = sum(r["verdict"] == "PASS" for r in add)
+        median = sorted(r["ratios"]["fault8/unpatched"][clock] for r in add)[len(add) // 2]
+        over = sorted(r["overhead_us"] for r in add)[len(add) // 2]
+        through = sorted(r["passthrough_overhead_us"] for r in add)[len(add) // 2]
+        lines.append(f"weight-update add_request (fault8/unpatched): {passed}/{len(add)} rows PASS "
+                     f"(target <= {targets['wu_add_request']:.2f}x, worst {worst:.3f}x, median row {median:.3f}x; "
+                     f"median overhead {over:+.1f} µs, of which a pass-through wrapper {through:+.1f} µs)")
+    e2e = section["e2e"]["rows"]
+    judged = [r for r in e2e if r["verdict"] in ("PASS", "FAIL")]
+    if e2e:
+        worst = max((r["ratios"]["patched/unpatched"][clock] for r in judged), default=float("nan"))
+        attributed = max(r["ratios"]["patched/unpatched"]["attributed"] for r in e2e)
+        passed = sum(r["verdict"] == "PASS" for r in judged)
+        lines.append(f"weight-update engine step (all patches / all but fault 8): {passed}/{len(judged)} rows "
+                     f"PASS (target <= {targets['wu_e2e']:.2f}x, worst {worst:.3f}x); cost inside the "
+                     f"patched functions: worst {attributed:.4f}x"
+                     + (f", {len(e2e) - len(judged)} n/a" if len(judged) < len(e2e) else ""))
+    flush = section["flush"]["rows"]
+    if flush:
+        worst = max(r["median_ms"]["flush"] for r in flush)
+        passed = sum(r["verdict"] == "PASS" for r in flush)
+        lines.append(f"weight-update flush ({section['flush']['registered']:,} registered blocks, "
+                     f"{section['flush']['pool']:,}-block pool): {passed}/{len(flush)} rows PASS "
+                     f"(target <= {targets['wu_flush_ms']:.0f} ms median, worst {worst:.2f} ms)")
+    return lines
 
 
 def scaling_tables(section: dict[str, Any]) -> list[Table]:
@@ -209,6 +324,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"{label}: {len(passed)}/{len(judged)} rows PASS "
                      f"(target <= {report[name]['target']:.2f}x, worst {worst:.2f}x)"
                      + (f", {skipped} n/a" if skipped else "") + extra)
+    if "weight_update" in report:
+        lines += weight_update_summary(report["weight_update"])
     return lines
 
 
@@ -239,6 +356,11 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
             tables.append(e2e_table(report[name], name))
     if "scaling" in report:
         tables += scaling_tables(report["scaling"])
+    if "weight_update" in report:
+        wu = report["weight_update"]
+        console.print(f"  section 6 (weight_update): load average {wu.get('load_average_start')} -> "
+                      f"{wu.get('load_average_end')}")
+        tables += weight_update_tables(wu)
     for table in tables:
         console.print(table)
     for line in summary_lines(report):

@@ -28,11 +28,17 @@ from .trees import DEFAULT_SEARCH, REPO, find_tree
 PATCHED_RELEASE = "0.18.2"   # has both faults: the runtime patches apply in full
 UPSTREAM_RELEASE = "0.19.2"  # carries upstream's fix 1 (release_memory_blocks)
 
-TARGETS = {"release": 1.10, "add_request": 1.05, "e2e": 1.02, "lru": 1.02}
+TARGETS = {"release": 1.10, "add_request": 1.05, "e2e": 1.02, "lru": 1.02,
+           # section 6 (issue 19, fault 8): ratios, and the flush's median in ms
+           "wu_add_request": 1.02, "wu_e2e": 1.01, "wu_flush_ms": 5.0}
 
 
 #: The timed sections, by the names ``--sections`` accepts.
-SECTIONS = ("release", "add_request", "e2e", "lru")
+SECTIONS = ("release", "add_request", "e2e", "lru", "weight_update")
+
+#: Releases section 6 runs on, each in its own worker; its parts, in the order they run.
+WU_RELEASES = ["0.19.2", "0.18.2", "0.17.1"]
+WU_PARTS = ("add_request", "flush", "e2e")
 
 
 @dataclass
@@ -67,6 +73,21 @@ class Settings:
     lru_case: str = "memory_pressure"
     lru_releases: list[str] = field(default_factory=lambda: [PATCHED_RELEASE, UPSTREAM_RELEASE])
     lru_runs: int = 12
+    # Section 6: the weight-update-invalidation patch (fault 8). add_request: only its wrappers vs
+    # none; e2e: every patch vs every patch but it; flush: invalidate_prefix_cache on a pool of
+    # wu_pool blocks holding wu_registered registered blocks, per scenario.
+    wu_releases: list[str] = field(default_factory=lambda: list(WU_RELEASES))
+    wu_add_lengths: list[int] = field(default_factory=lambda: [64, 512, 2048, 8192])
+    wu_add_rounds: int = 16
+    wu_add_batch: int = 10
+    wu_e2e_runs: int = 8
+    wu_pool: int = 65536
+    wu_registered: int = 10000
+    wu_scenarios: list[str] = field(default_factory=lambda: ["lru_cached", "ref_zero_held", "lru_held",
+                                                             "lru_mixed"])
+    wu_parts: list[str] = field(default_factory=lambda: list(WU_PARTS))
+    wu_flush_rounds: int = 10
+    wu_flush_batch: int = 5
     # Sections to run, in this order; scaling (section 4) comes with "release".
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
 
@@ -79,6 +100,8 @@ def settings(short: bool) -> Settings:
         add_releases=[UPSTREAM_RELEASE], add_lengths=[64, 128], add_rounds=2, add_batch=2,
         e2e_releases=[PATCHED_RELEASE], e2e_policies=["ref_zero"], e2e_runs=1, e2e_warmup=False,
         lru_releases=[UPSTREAM_RELEASE], lru_runs=1,
+        wu_releases=[UPSTREAM_RELEASE], wu_add_lengths=[64, 128], wu_add_rounds=2, wu_add_batch=2,
+        wu_e2e_runs=1, wu_pool=1024, wu_registered=100, wu_flush_rounds=2, wu_flush_batch=2,
     )
 
 
@@ -228,8 +251,9 @@ class Bench:
 
     def start_workers(self) -> None:
         c = self.config
-        versions = sorted({PATCHED_RELEASE, UPSTREAM_RELEASE, *c.add_releases, *c.e2e_releases,
-                           *c.lru_releases})
+        wanted = {"release": [PATCHED_RELEASE, UPSTREAM_RELEASE], "add_request": c.add_releases,
+                  "e2e": c.e2e_releases, "lru": c.lru_releases, "weight_update": c.wu_releases}
+        versions = sorted({v for name in c.sections for v in wanted[name]})
         for version in versions:
             tree, source = find_tree(version, self.search, self.scratch)
             self.trees[version] = {"path": str(tree), "source": source}
@@ -354,9 +378,13 @@ class Bench:
                                     c.e2e_warmup, shorten=False)
 
     def _engine_section(self, name: str, case: str, releases: list[str], policies: Optional[list[str]],
-                        runs_per_variant: int, warmup: bool, shorten: bool) -> dict[str, Any]:
+                        runs_per_variant: int, warmup: bool, shorten: bool,
+                        worker_variants: Optional[dict[str, str]] = None) -> dict[str, Any]:
         """Engine step time of ``case``, patched vs unpatched, per release and policy (None: the
-        case's policies); the two variants alternate run by run."""
+        case's policies); the two variants alternate run by run. ``worker_variants`` maps the
+        row's "unpatched" / "patched" to the worker's variant names (default: the same names)."""
+        names = worker_variants or {"unpatched": "unpatched", "patched": "patched"}
+        target = TARGETS["wu_e2e" if name == "weight_update" else name]
         rows = []
         setup_info = {}
         for version in releases:
@@ -367,16 +395,99 @@ class Bench:
             for policy in policies or setup["policies"]:
                 if warmup:
                     for variant in ("unpatched", "patched"):
-                        worker.call("e2e_run", variant=variant, policy=policy)
+                        worker.call("e2e_run", variant=names[variant], policy=policy)
                 runs: dict[str, list[dict]] = {"unpatched": [], "patched": []}
                 for r in range(runs_per_variant):
                     order = ["unpatched", "patched"] if r % 2 == 0 else ["patched", "unpatched"]
                     for variant in order:
                         self.progress(f"{name}: {version} {policy} run {r + 1}/{runs_per_variant} {variant}")
-                        runs[variant].append(worker.call("e2e_run", variant=variant, policy=policy))
-                rows.append(_e2e_row(version, policy, runs, self.config.clock, TARGETS[name]))
-        return {"target": TARGETS[name], "clock": self.config.clock, "case": case, "short_case": shorten,
+                        runs[variant].append(worker.call("e2e_run", variant=names[variant], policy=policy))
+                rows.append(_e2e_row(version, policy, runs, self.config.clock, target))
+        return {"target": target, "clock": self.config.clock, "case": case, "short_case": shorten,
                 "runs": runs_per_variant, "setup": setup_info, "rows": rows}
+
+    # -- section 6 -----------------------------------------------------------------------------
+
+    def weight_update_section(self) -> dict[str, Any]:
+        """Fault 8's patch: add_request (its wrappers alone vs none), engine step time (every
+        patch vs every patch but it) and the flush itself, on each release of ``wu_releases``."""
+        c = self.config
+        load_start = load_average()
+        add_rows, flush_rows = [], []
+        max_prompt = max(c.wu_add_lengths)
+        key = f"{c.clock}_us"
+        for version in c.wu_releases:
+            worker = self.workers[version]
+            for length in (c.wu_add_lengths if "add_request" in c.wu_parts else []):
+                for match in c.add_matches:
+                    self.progress(f"weight_update: add_request {version} {length} tokens, {match} match")
+                    case = worker.call("wu_add_case", policy=c.add_policy, max_prompt=max_prompt,
+                                       length=length, match=match)
+                    variants = ["unpatched", "passthrough8", "fault8"]
+                    timed = {v: Timed() for v in variants}
+                    for r in range(c.wu_add_rounds):
+                        shift = r % len(variants)
+                        for variant in variants[shift:] + variants[:shift]:
+                            timed[variant].add(worker.call("wu_add_time", variant=variant, reps=c.wu_add_batch))
+                    ratio = compare(timed["fault8"], timed["unpatched"])
+                    medians = {v: t.summary()[key]["median"] for v, t in timed.items()}
+                    outcomes = case["outcomes"]
+                    add_rows.append({
+                        "release": version, "policy": c.add_policy, "prompt_tokens": length, "match": match,
+                        "outcomes": outcomes,
+                        "same_outcome": outcomes["fault8"] == outcomes["unpatched"] == outcomes["passthrough8"],
+                        "variants": {v: t.summary() for v, t in timed.items()},
+                        "ratios": {"fault8/unpatched": ratio,
+                                   "passthrough8/unpatched": compare(timed["passthrough8"], timed["unpatched"])},
+                        "overhead_us": medians["fault8"] - medians["unpatched"],
+                        "passthrough_overhead_us": medians["passthrough8"] - medians["unpatched"],
+                        "verdict": verdict(ratio[c.clock], TARGETS["wu_add_request"]),
+                    })
+            for scenario in (c.wu_scenarios if "flush" in c.wu_parts else []):
+                self.progress(f"weight_update: flush {version} {scenario}, pool {c.wu_pool:,}, "
+                              f"{c.wu_registered:,} registered")
+                setup = worker.call("wu_flush_setup", scenario=scenario, pool=c.wu_pool,
+                                    registered=c.wu_registered)
+                timed = {"flush": Timed(), "age_out": Timed()}
+                for r in range(c.wu_flush_rounds):
+                    order = ["flush", "age_out"] if r % 2 == 0 else ["age_out", "flush"]
+                    for variant in order:
+                        timed[variant].add(worker.call("wu_flush_time", variant=variant, reps=c.wu_flush_batch))
+                medians_ms = {v: t.summary()[key]["median"] / 1e3 for v, t in timed.items()}
+                flush_rows.append({
+                    "release": version, "scenario": scenario, "state": setup["state"],
+                    "outcomes": setup["outcomes"],
+                    "variants": {v: {"cpu_ms": summarize(t.cpu, 1e-6), "wall_ms": summarize(t.wall, 1e-6)}
+                                 for v, t in timed.items()},
+                    "median_ms": medians_ms,
+                    "free_at_once_extra_ms": medians_ms["flush"] - medians_ms["age_out"],
+                    "verdict": verdict(medians_ms["flush"], TARGETS["wu_flush_ms"]),
+                })
+        e2e = self._engine_section("weight_update", c.e2e_case, c.wu_releases if "e2e" in c.wu_parts else [],
+                                   c.e2e_policies, c.wu_e2e_runs, c.e2e_warmup, shorten=c.short,
+                                   worker_variants={"unpatched": "patched_no8", "patched": "patched"})
+        rows = ([{"part": "add_request", **r} for r in add_rows] + [{"part": "e2e", **r} for r in e2e["rows"]]
+                + [{"part": "flush", **r} for r in flush_rows])
+        return {
+            "clock": c.clock, "targets": {k: TARGETS[k] for k in ("wu_add_request", "wu_e2e", "wu_flush_ms")},
+            "releases": c.wu_releases,
+            "variants": {"add_request": {"fault8": "only weight-update-invalidation's wrappers",
+                                         "passthrough8": "a do-nothing wrapt wrapper on each function "
+                                                         "weight-update-invalidation wraps",
+                                         "unpatched": "the release's own code (no patch)"},
+                         "e2e": {"patched": "every runtime patch",
+                                 "unpatched": "every runtime patch but weight-update-invalidation"},
+                         "flush": {"flush": "megatron_ext.invalidate_prefix_cache (ref-0 blocks freed)",
+                                   "age_out": "ref-0 blocks left hashed, unreachable; hash map cleared, "
+                                              "held blocks unhashed"}},
+            "add_request": {"policy": c.add_policy, "rounds": c.wu_add_rounds, "batch": c.wu_add_batch,
+                            "rows": add_rows},
+            "e2e": e2e,
+            "flush": {"pool": c.wu_pool, "registered": c.wu_registered, "rounds": c.wu_flush_rounds,
+                      "batch": c.wu_flush_batch, "rows": flush_rows},
+            "rows": rows,
+            "load_average_start": load_start, "load_average_end": load_average(),
+        }
 
     # -- section 4 -----------------------------------------------------------------------------
 
@@ -517,7 +628,8 @@ def run(config: Settings, search: list[Path] | None = None, progress: Callable[[
         report["meta"]["releases"] = bench.trees
         report["meta"]["workers_pinned_to_cpu"] = bench.pinned_cpu
         sections = {"release": bench.release_section, "add_request": bench.add_request_section,
-                    "e2e": bench.e2e_section, "lru": bench.lru_section}
+                    "e2e": bench.e2e_section, "lru": bench.lru_section,
+                    "weight_update": bench.weight_update_section}
         for name in config.sections:
             report[name] = stage(name, sections[name])
         if "release" in report:

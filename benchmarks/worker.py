@@ -22,6 +22,10 @@ import traceback
 from typing import Any
 
 
+def _pass_through(wrapped: Any, _instance: Any, args: tuple, kwargs: dict) -> Any:
+    return wrapped(*args, **kwargs)
+
+
 class Worker:
     def __init__(self) -> None:
         import torch
@@ -43,6 +47,23 @@ class Worker:
         results = megatron_ext.apply()
         self.functions["patched"] = {k: c.__dict__[a] for k, (c, a) in self.targets.items()}
         megatron_ext.revert()
+        # Section 6: "fault8" = the weight-update-invalidation patch alone, "patched_no8" = every
+        # patch but that one, each exactly as apply() installs it under MEGATRON_EXT_SKIP.
+        from .weight_update import FAULT8, skip_env, with_env
+
+        others = [p.name for p in ALL_PATCHES if p.name != FAULT8]
+        for variant, skipped in (("fault8", others), ("patched_no8", [FAULT8])):
+            with_env(skip_env(skipped), megatron_ext.apply)
+            self.functions[variant] = {k: c.__dict__[a] for k, (c, a) in self.targets.items()}
+            megatron_ext.revert()
+        # "passthrough8": a do-nothing wrapt wrapper on each function fault 8 wraps (the dispatch
+        # cost alone, to split fault8's cost into wrapping and the wrappers' own work).
+        import wrapt
+
+        fault8_targets = {t.qualname for p in ALL_PATCHES if p.name == FAULT8 for t in p.wrappers()}
+        self.functions["passthrough8"] = {
+            k: (wrapt.FunctionWrapper(f, _pass_through) if k in fault8_targets else f)
+            for k, f in self.functions["unpatched"].items()}
         self.patches = [{"patch": r.patch, "state": r.state.value, "reason": r.reason} for r in results]
         import megatron.core
 
@@ -59,6 +80,7 @@ class Worker:
         self.add_benches: dict[tuple[str, int], Any] = {}
         self.add_bench = None
         self.e2e_bench = None
+        self.flush_bench = None
 
     def install(self, variant: str) -> None:
         for key, (cls, attribute) in self.targets.items():
@@ -121,6 +143,62 @@ class Worker:
             return self.e2e_bench.run(policy)
         finally:
             self.install("unpatched")
+
+    # -- section 6 -------------------------------------------------------------------------
+
+    def op_wu_add_case(self, policy: str, max_prompt: int, length: int, match: str) -> dict:
+        """Section 2's probe with variants ``unpatched`` and ``fault8`` (only this patch's wrappers)."""
+        from .add_request import AddRequestBench
+
+        key = (policy, max_prompt)
+        if key not in self.add_benches:
+            self.add_benches[key] = AddRequestBench(policy, max_prompt)
+        self.add_bench = bench = self.add_benches[key]
+        bench.setup(length, match)
+        outcomes = {}
+        for variant in ("unpatched", "passthrough8", "fault8"):
+            self.install(variant)
+            outcomes[variant] = bench.probe_once(self.functions[variant]["add_request"])
+        self.install("unpatched")
+        gc.collect()
+        return {"outcomes": outcomes}
+
+    def op_wu_add_time(self, variant: str, reps: int) -> dict:
+        """``variant``'s functions installed on every target (``_find_kv_match_count`` too)."""
+        self.install(variant)
+        try:
+            wall, cpu = self.add_bench.time(self.functions[variant]["add_request"], reps)
+        finally:
+            self.install("unpatched")
+        return {"wall": wall, "cpu": cpu}
+
+    def op_wu_flush_setup(self, scenario: str, pool: int, registered: int) -> dict:
+        """A context in ``scenario``'s state, built and flushed with every patch applied by
+        ``megatron_ext.apply()`` (a real job's setting; ``invalidate_prefix_cache`` needs it)."""
+        import megatron_ext
+
+        from .weight_update import FlushBench
+
+        self.flush_bench = None
+        gc.collect()
+        megatron_ext.apply()
+        try:
+            self.flush_bench = bench = FlushBench(scenario, pool, registered)
+            outcomes = bench.probe()
+        finally:
+            megatron_ext.revert()
+        gc.collect()
+        return {"state": bench.state, "outcomes": outcomes}
+
+    def op_wu_flush_time(self, variant: str, reps: int) -> dict:
+        import megatron_ext
+
+        megatron_ext.apply()
+        try:
+            wall, cpu = self.flush_bench.time(variant, reps)
+        finally:
+            megatron_ext.revert()
+        return {"wall": wall, "cpu": cpu}
 
 
 def main() -> None:

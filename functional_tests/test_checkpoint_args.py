@@ -186,6 +186,28 @@ def test_unsupported_checkpoint_args_exit_2_by_name(cases, tmp_path, capfd, no_e
                    f"the harness cannot build: {named}\n")
 
 
+@pytest.mark.parametrize("field, value, case_value", [("norm_epsilon", 1e-6, 1e-5), ("rotary_base", 10000, 500000),
+                                                      ("rotary_percent", 0.5, 1.0)])
+def test_model_section_disagreeing_on_a_value_shapes_cannot_show_exits_2(cases, tmp_path, capfd, no_engine,
+                                                                         field, value, case_value):
+    """The Llama weights saved with args that differ from the case's model section in one value no
+    tensor shape shows: before, ab ran silently with the case's value; now it refuses by name."""
+    llama = parse_case(cases[0].read_text())
+    with cpu_backend():
+        ensure_model_parallel()
+        model = build_model(llama)
+        args = megatron_lm_args(llama.model, 512)
+        setattr(args, field, value)
+        save_megatron_lm_checkpoint(model, tmp_path / "ckpt", args, 5)
+    code = cli.main(["ab", "--case", str(cases[0]), "--load", str(tmp_path / "ckpt"), "--no-progress"])
+    err = capfd.readouterr().err
+    assert code == 2
+    assert err == (f"megatron-ext: error: --load {tmp_path / 'ckpt'}: the case's model section has {field}={case_value!r} "
+                   f"but the checkpoint's Megatron-LM args have {field}={value!r} (the weights' shapes cannot show "
+                   f"it, so the run would use the wrong one); set {field}: {value!r} in the case's model section, "
+                   "or leave the model section out to build the model from the checkpoint's args\n")
+
+
 CROSS_RELEASE = "0.19.2"  # writes the common state into the .distcp files (0.17/0.18 write common.pt)
 
 

@@ -20,7 +20,8 @@ import pytest
 HEADERS = ("tokens equal", "log-probs equal", "first divergent step", "first divergent token",
            "max |Δ log-prob|", "prefill tokens skipped", "prefill tokens computed", "KV writes checked",
            "ref-count violations", "LRU violations", "cached blocks evicted (LRU)", "deregistered at ref 0")
-LIBRARY_LOG = re.compile(r"^megatron-core / torch / gloo output: (\d+) lines in (\S+) \(--verbose shows it inline\)$")
+LIBRARY_LOG = re.compile(r"^megatron-core / torch / gloo output: (\d+) lines in (\S+) \((kept by --keep-log|kept: the "
+                         r"run failed|kept: the command stopped with an error); --verbose shows it inline\)$")
 
 
 def run_logged(tmp_path: Path, *args: str) -> tuple[int, str]:
@@ -46,7 +47,7 @@ def assert_reads_cleanly(text: str, verdict: str) -> list[str]:
 
 @pytest.mark.slow
 def test_ab_report_in_a_log_reads_cleanly(tmp_path):
-    code, text = run_logged(tmp_path, "ab", "--case", "shared_system_prompt")
+    code, text = run_logged(tmp_path, "ab", "--case", "shared_system_prompt", "--keep-log")
     assert code == 0, text
     lines = assert_reads_cleanly(text, "PASS: ")
     for header in HEADERS:
@@ -57,7 +58,7 @@ def test_ab_report_in_a_log_reads_cleanly(tmp_path):
     assert len(lines[:3]) == 3
     # the libraries' output went to the file the report names, gloo's connection lines included
     named = [LIBRARY_LOG.match(line) for line in lines if LIBRARY_LOG.match(line)]
-    assert len(named) == 1 and lines[-2] == named[0].group(0)
+    assert len(named) == 1 and lines[-2] == named[0].group(0) and named[0].group(3) == "kept by --keep-log"
     library_log = Path(named[0].group(2))
     assert library_log.parent == tmp_path
     held = library_log.read_text().splitlines()
@@ -72,9 +73,10 @@ def test_soak_figures_come_before_the_verdict(tmp_path):
     lines = assert_reads_cleanly(text, "PASS: 6 requests bit-identical")
     figures = [line.split(":")[0] for line in lines if line.startswith("soak ")]
     assert figures == ["soak caching off", "soak lru"]
-    # figures, then the library log's line, then the verdict
-    assert lines[-3].startswith("soak lru: 6 requests, ")
-    assert LIBRARY_LOG.match(lines[-2])
+    # figures, then the verdict; a PASS leaves no library log behind and names none
+    assert lines[-2].startswith("soak lru: 6 requests, ")
+    assert not any(LIBRARY_LOG.match(line) for line in lines)
+    assert not list(tmp_path.glob("megatron-ext-*.log"))
 
 
 def test_verbose_keeps_library_output_inline(tmp_path):
@@ -95,8 +97,9 @@ def test_ctrl_c_during_a_run_exits_130_with_one_line(tmp_path):
         process = subprocess.Popen([sys.executable, "-m", "megatron_ext", "soak", "--requests", "200"],
                                    stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
-        while not list(tmp_path.glob("megatron-ext-soak-*.log")) and time.monotonic() < deadline:
-            time.sleep(0.2)  # the library log exists once the run has started
+        # the run has started once the library log holds something (an empty log is not kept)
+        while not any(p.stat().st_size for p in tmp_path.glob("megatron-ext-soak-*.log")) and time.monotonic() < deadline:
+            time.sleep(0.2)
         time.sleep(2)
         process.send_signal(signal.SIGINT)
         code = process.wait(timeout=120)
@@ -104,4 +107,8 @@ def test_ctrl_c_during_a_run_exits_130_with_one_line(tmp_path):
     assert code == 130, text
     assert text.splitlines()[-1] == "megatron-ext: soak interrupted (Ctrl-C)"
     assert "Traceback" not in text
+    # the library log is kept after the interruption and named before the last line
+    named = LIBRARY_LOG.match(text.splitlines()[-2])
+    assert named and named.group(3) == "kept: the command stopped with an error", text
+    assert Path(named.group(2)).is_file()
 

@@ -79,20 +79,24 @@ def apply(force: bool | None = None, strict: bool = False) -> list[PatchResult]:
     Raises:
         MegatronCoreNotFoundError: megatron-core is not importable.
         PatchRefusedError: with ``strict=True``, if any patch was refused; nothing is applied then.
+            A patch named in ``MEGATRON_EXT_SKIP`` is never refused (it is not considered at all).
         MegatronExtError: ``MEGATRON_EXT_SKIP`` names something that is not a patch; nothing is applied.
     """
     force = _env_force() if force is None else force
     version = mcore.installed_version()
     skipped = _skipped()
     with _LOCK:
-        plans = [patch.plan(version, force) for patch in ALL_PATCHES]
+        # A skipped patch is not planned at all: the job left it out, so its refusal (or a probe
+        # that fails on this machine) must neither raise under strict=True nor be reported.
+        plans = [patch.result(PatchState.NOT_APPLIED, f"skipped by {SKIP_ENV}") if patch.name in skipped
+                 else patch.plan(version, force) for patch in ALL_PATCHES]
         refused = [plan for plan in plans if plan.state is PatchState.REFUSED]
         if strict and refused:
             raise PatchRefusedError("; ".join(f"{r.patch}: {r.reason}" for r in refused))
         results = []
         for patch, plan in zip(ALL_PATCHES, plans):
             if patch.name in skipped:
-                results.append(patch.result(PatchState.NOT_APPLIED, f"skipped by {SKIP_ENV}"))
+                results.append(plan)
             elif plan.state is PatchState.APPLICABLE:
                 patch.install()
                 _INSTALLED.append(patch)

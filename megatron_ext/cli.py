@@ -11,14 +11,16 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from rich.table import Table
 
 from . import mcore
-from .console import LibraryOutput, RunProgress, library_output, log_path, report_console
+from .console import LibraryOutput, RunProgress, library_output, log_path, report_console, settle_log
 from .errors import MegatronExtError
-from .patching import PatchResult
+
+if TYPE_CHECKING:  # patching imports wrapt: `megatron-ext --help` and argument errors need neither
+    from .patching import PatchResult
 
 #: The narrowest report: below it rich folds every cell and the verdict into slivers.
 MIN_WIDTH = 40
@@ -90,17 +92,11 @@ def cmd_ab(args: argparse.Namespace) -> int:
         args.load = args.load or megatron_case.load
         if rank == 0:
             _print_megatron_mapping(megatron_case)
-    tokenizer = None
-    if args.tokenizer is not None:  # a bad path or a missing library fails here, before any engine
-        from .harness.tokenizer import check_vocab_fits, load_tokenizer
+    tokenizer = _tokenizer(args)
+    if tokenizer is not None and args.load is None:  # with --load the model may come from the checkpoint's args: run_ab checks
+        from .harness.tokenizer import check_vocab_fits
 
-        tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_library)
-        if args.load is None:  # with --load the model may come from the checkpoint's args: run_ab checks
-            check_vocab_fits(tokenizer, case.model.vocab_size, f"case {case.name}")
-    elif args.tokenizer_library is not None:
-        print("megatron-ext: error: --tokenizer-library names the library of --tokenizer PATH; "
-              "pass --tokenizer too", file=sys.stderr)
-        return 2
+        check_vocab_fits(tokenizer, case.model.vocab_size, f"case {case.name}")
     if args.prompts is not None:
         from .harness.prompts import prompts_case
 
@@ -121,9 +117,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
     update_from = []
     if args.update_from:  # bad paths (or a case without checkpoint updates) fail before any engine
         from .harness.ab import update_checkpoints
-        from .harness.checkpoint import resolve_checkpoint
-
-        from .harness.checkpoint import CheckpointError
+        from .harness.checkpoint import CheckpointError, resolve_checkpoint
 
         try:
             sources = [resolve_checkpoint(path) for path in args.update_from]
@@ -137,8 +131,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
                             on_step=progress.on_step, on_run=progress.on_run,
                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                             load=checkpoint, tokenizer=tokenizer, update_from=update_from)
-    except Exception as exc:  # noqa: BLE001 - multi-rank: name the rank, exit non-zero
-        if world_size == 1 or isinstance(exc, MegatronExtError):
+    except BaseException as exc:  # noqa: BLE001 - keep the log; multi-rank: name the rank, exit non-zero
+        if world_size == 1 or not isinstance(exc, Exception) or isinstance(exc, MegatronExtError):
+            _keep_log_after_error(log, args.keep_log)
             raise
         where = f" (megatron-core / torch / gloo output of this rank: {log})" if log else ""
         if isinstance(exc, RankFailedError):  # names the rank already
@@ -148,18 +143,37 @@ def cmd_ab(args: argparse.Namespace) -> int:
             print(f"megatron-ext ab: rank {rank} of {world_size} failed: {type(exc).__name__}: {exc}"
                   f"{where}", file=sys.stderr, flush=True)
         return 1
-    if rank != 0 and log is not None:  # rank 0 reports for every rank; a failing rank keeps its log
-        log.unlink(missing_ok=True)
+    passed = result.exit_code() == 0
+    if rank != 0:  # rank 0 reports for every rank (and keeps its log after a failure); a raising rank kept its own
+        output.settle(passed=True, keep=args.keep_log)
     if rank == 0:
         console = report_console(args.width)
         if world_size > 1:
             console.print(describe_layout(result.ranks))
-        print_report(result, console, notes=_log_notes(output))
+        print_report(result, console, notes=_log_notes(output, passed, args.keep_log))
         if args.json:
             Path(args.json).write_text(json.dumps(result.as_json(), indent=2))
         if args.plot:
             write_plot(result, Path(args.plot))
     return result.exit_code()
+
+
+def _tokenizer(args: argparse.Namespace):
+    """The tokenizer of ``--tokenizer PATH [--tokenizer-library LIB]``, or None for the default.
+
+    Loaded before any engine is built, so a bad path or a missing library fails at once.
+
+    Raises:
+        MegatronExtError: ``--tokenizer-library`` without ``--tokenizer``; TokenizerError (see
+            :func:`megatron_ext.harness.tokenizer.load_tokenizer`).
+    """
+    if args.tokenizer is None:
+        if args.tokenizer_library is not None:
+            raise MegatronExtError("--tokenizer-library names the library of --tokenizer PATH; pass --tokenizer too")
+        return None
+    from .harness.tokenizer import load_tokenizer
+
+    return load_tokenizer(args.tokenizer, args.tokenizer_library)
 
 
 def _ab_case(args: argparse.Namespace):
@@ -203,10 +217,20 @@ def _progress(args: argparse.Namespace, case_name: str, output: LibraryOutput,
         progress.close()
 
 
-def _log_notes(output: LibraryOutput) -> list[str]:
-    """The report line naming the library log, if it holds anything."""
-    line = output.describe()
+def _log_notes(output: LibraryOutput, passed: bool, keep: bool) -> list[str]:
+    """The report line naming the library log when it is kept (a failure, ``--keep-log``); a passing
+    run's log is removed here (:func:`megatron_ext.console.settle_log`)."""
+    line = output.settle(passed, keep)
     return [line] if line else []
+
+
+def _keep_log_after_error(log: Optional[Path], keep: bool) -> None:
+    """An exception or Ctrl-C is leaving a command: keep its library log (megatron-core's own
+    messages about what went wrong are there) and name it on stdout, so the one error line on
+    stderr stays one line."""
+    line = settle_log(log, "error", keep)
+    if line:
+        print(line, flush=True)
 
 
 def _outputs_writable(outputs: dict[str, Any]) -> bool:
@@ -264,12 +288,17 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
     if args.seed is not None:
         case = case.model_copy(update={"model": case.model.model_copy(update={"seed": args.seed})})
     training_args = megatron_lm_args(case.model, padded_vocab_size(case.model.vocab_size, tp), tp, pp)
-    with library_output(_library_log(args, "save-checkpoint")) as output, cpu_backend():
-        ensure_model_parallel(tp, pp)
-        model = build_model(case)
-        path = save_megatron_lm_checkpoint(model, args.directory, training_args, args.iteration)
+    log = _library_log(args, "save-checkpoint")
+    try:
+        with library_output(log) as output, cpu_backend():
+            ensure_model_parallel(tp, pp)
+            model = build_model(case)
+            path = save_megatron_lm_checkpoint(model, args.directory, training_args, args.iteration)
+    except BaseException:
+        _keep_log_after_error(log, args.keep_log)
+        raise
     if _world()[0] == 0:
-        for note in _log_notes(output):
+        for note in _log_notes(output, True, args.keep_log):
             print(note)
         print(f"saved the model of case '{case.name}' (seed {case.model.seed}, "
               f"{case.model.params_dtype}, TP={tp} PP={pp}) to {path} (torch_dist, iteration "
@@ -290,12 +319,25 @@ def cmd_soak(args: argparse.Namespace) -> int:
     if not _outputs_writable({"--json": args.json, "--dump-case": args.dump_case}):
         return 2
     policies = list(dict.fromkeys(args.policy or ("ref_zero", "lru")))  # a repeated --policy runs once
+    tokenizer = _tokenizer(args)
     case = soak_case(args.requests, args.seed, policies,
                      chunked_prefill=not args.no_chunked_prefill, update_every=args.update_every)
+    if tokenizer is not None and tokenizer.vocab_size > case.model.vocab_size:
+        # The soak model has no case file to edit: it grows to the tokenizer's IDs (random weights
+        # either way), said on a line, so the dumped case reruns with 'ab --case ... --tokenizer'.
+        print(f"soak: model vocab_size {case.model.vocab_size} -> {tokenizer.vocab_size} to fit the "
+              f"token IDs of --tokenizer {args.tokenizer}")
+        case = case.model_copy(update={"model": case.model.model_copy(update={"vocab_size": tokenizer.vocab_size})})
     if args.dump_case:
         Path(args.dump_case).write_text(dump_case(case))
-    with library_output(_library_log(args, "soak")) as output, _progress(args, case.name, output) as progress:
-        result = run_ab(case, patched=not args.unpatched, on_step=progress.on_step, on_run=progress.on_run)
+    log = _library_log(args, "soak")
+    try:
+        with library_output(log) as output, _progress(args, case.name, output) as progress:
+            result = run_ab(case, patched=not args.unpatched, on_step=progress.on_step, on_run=progress.on_run,
+                            tokenizer=tokenizer)
+    except BaseException:
+        _keep_log_after_error(log, args.keep_log)
+        raise
     summary = soak_summary(result)
     figures = [
         f"soak {name}: {summary['requests']} requests, {run['engine_steps']} engine steps, "
@@ -307,7 +349,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
         for name, run in summary["runs"].items()
     ]
     print_report(result, report_console(args.width), only_divergent=True,
-                 notes=figures + _log_notes(output))
+                 notes=figures + _log_notes(output, result.exit_code() == 0, args.keep_log))
     if args.json:
         Path(args.json).write_text(json.dumps({"soak": summary, **result.as_json()}, indent=2))
     return result.exit_code()
@@ -389,10 +431,28 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
                         help="megatron-core pipeline parallel size (T x P ranks)")
 
 
+def _add_tokenizer_arguments(parser: argparse.ArgumentParser, what: str, note: str) -> None:
+    """``--tokenizer PATH`` and ``--tokenizer-library LIB`` (ab and soak)."""
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help=f"tokenize {what} with this tokenizer, loaded by megatron-core "
+                        "(megatron.core.tokenizers): a directory or file with tokenizer_metadata.json "
+                        "beside it, or any tokenizer with --tokenizer-library (default: megatron-core's "
+                        f"byte-level tokenizer, 257 IDs); {note}")
+    parser.add_argument("--tokenizer-library", metavar="LIB",
+                        choices=("huggingface", "sentencepiece", "tiktoken", "megatron", "byte-level", "null-text"),
+                        help="with --tokenizer: megatron-core's library for it (huggingface, sentencepiece, "
+                        "tiktoken, ...), in place of a tokenizer_metadata.json (nothing is written into "
+                        "PATH); Hugging Face tokenizers need transformers: pip install 'megatron-ext[hf]'")
+
+
 def _add_verbose_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true",
                         help="show megatron-core's, torch's and gloo's own output inline (default: "
-                        "gathered into a log file in the temporary directory, named in the report)")
+                        "gathered into a log file in the temporary directory, removed after a PASS, "
+                        "kept and named after a failure or an error)")
+    parser.add_argument("--keep-log", action="store_true",
+                        help="keep the log file of megatron-core's, torch's and gloo's output after a "
+                        "PASS too, and name it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -443,16 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "--inference-repeat-n; default 1)")
     p_ab.add_argument("--num-tokens-to-generate", type=_positive_int, metavar="N",
                       help="with --prompts: tokens to generate where a line does not say (default 8)")
-    p_ab.add_argument("--tokenizer", metavar="PATH",
-                      help="tokenize the prompts with this tokenizer, loaded by megatron-core "
-                      "(megatron.core.tokenizers): a directory or file with tokenizer_metadata.json "
-                      "beside it, or any tokenizer with --tokenizer-library (default: megatron-core's "
-                      "byte-level tokenizer, 257 IDs); its vocabulary must fit the model's vocab_size")
-    p_ab.add_argument("--tokenizer-library", metavar="LIB",
-                      choices=("huggingface", "sentencepiece", "tiktoken", "megatron", "byte-level", "null-text"),
-                      help="with --tokenizer: megatron-core's library for it (huggingface, sentencepiece, "
-                      "tiktoken, ...), in place of a tokenizer_metadata.json (nothing is written into "
-                      "PATH); Hugging Face tokenizers need transformers: pip install 'megatron-ext[hf]'")
+    _add_tokenizer_arguments(p_ab, "the prompts", "its vocabulary must fit the model's vocab_size")
     p_ab.add_argument("--top-n-logprobs", type=_positive_int, metavar="N",
                       help="also record megatron-core's top-n log-probs of every generated token "
                       "(SamplingParams.top_n_logprobs) and compare them bit for bit")
@@ -502,6 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "update belong to the next round; the stale-hit audit counts matches of older KV)")
     p_soak.add_argument("--unpatched", action="store_true",
                         help="run megatron-core as released, without megatron-ext's runtime patches")
+    _add_tokenizer_arguments(p_soak, "the generated prompts", "their lengths are then in characters, not "
+                             "tokens, and the soak model's vocab_size grows to the tokenizer's when smaller")
     p_soak.add_argument("--json", metavar="PATH", help="also write the figures and results as JSON")
     p_soak.add_argument("--dump-case", metavar="PATH",
                         help="also write the generated case as YAML (runs with 'ab --case PATH')")

@@ -4,7 +4,8 @@ A report is read in a terminal or in a log (CI, a job's stdout file). For a log 
 cleanly: no progress-bar frames, tables never cut to 80 columns, the verdict last. And it must not
 drown in what megatron-core, torch and gloo print while the engine runs (gloo's ``[Gloo] Rank 0 is
 connected to ...`` from C++, megatron-core's deprecation banner, warnings): those go to a log file
-that the report names, unless ``--verbose`` asks for them inline.
+in ``$TMPDIR``, unless ``--verbose`` asks for them inline. A run that passes removes it (``--keep-log``
+keeps it); after a failure or an error it is kept and the output names it (:func:`settle_log`).
 """
 
 from __future__ import annotations
@@ -62,24 +63,52 @@ class LibraryOutput:
 
     def lines(self) -> int:
         """Number of lines in the log file (0 when inline or empty)."""
-        if self.path is None or not self.path.exists():
-            return 0
-        with self.path.open("rb") as handle:
+        return 0 if self.path is None else _line_count(self.path)
+
+    def settle(self, passed: bool, keep: bool = False) -> Optional[str]:
+        """Remove or keep the log once the command's outcome is known (:func:`settle_log`)."""
+        return settle_log(self.path, "passed" if passed else "failed", keep)
+
+
+def _line_count(path: Path) -> int:
+    try:
+        with path.open("rb") as handle:
             return sum(1 for _ in handle)
+    except OSError:  # removed meanwhile, or unreadable: nothing to name
+        return 0
 
-    def describe(self) -> Optional[str]:
-        """One report line naming the log file, or ``None`` when there is nothing to name.
 
-        An empty log file is removed, so only logs that hold something are left behind.
-        """
-        count = self.lines()
-        if self.path is None:
-            return None
-        if count == 0:
-            self.path.unlink(missing_ok=True)
-            return None
-        return (f"megatron-core / torch / gloo output: {count} lines in {self.path} "
-                "(--verbose shows it inline)")
+#: Why a log is kept, by outcome (:func:`settle_log`).
+_KEPT_BECAUSE = {"failed": "kept: the run failed", "error": "kept: the command stopped with an error"}
+
+
+def settle_log(path: Optional[Path], outcome: str, keep: bool = False) -> Optional[str]:
+    """Remove a command's library log or keep it, and say where it is.
+
+    A passing run leaves nothing in ``$TMPDIR``: its log is removed, unless ``keep`` (``--keep-log``).
+    After a failure (``outcome`` ``"failed"``: the verdict was not PASS) or an error (``"error"``:
+    an exception or Ctrl-C stopped the command) the log is kept, since it is where megatron-core's
+    own messages are, and named; an empty one is removed (nothing to read).
+
+    Args:
+        path: the log file; ``None`` (shown inline, ``--verbose``) does nothing.
+        outcome: ``"passed"``, ``"failed"`` or ``"error"``.
+        keep: keep it (and name it) whatever the outcome, even empty.
+
+    Returns:
+        The report line naming the kept log, or ``None`` when it was removed (or there was none).
+    """
+    if path is None:
+        return None
+    count = _line_count(path)
+    if keep:
+        why = "kept by --keep-log"
+    elif outcome == "passed" or count == 0:
+        path.unlink(missing_ok=True)
+        return None
+    else:
+        why = _KEPT_BECAUSE[outcome]
+    return f"megatron-core / torch / gloo output: {count} lines in {path} ({why}; --verbose shows it inline)"
 
 
 def log_path(command: str, rank: int) -> Path:

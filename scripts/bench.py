@@ -23,6 +23,14 @@ temporary directory. Sections:
    (cached blocks evicted on admission, leaf-first eviction, resume into evictable blocks),
    patched vs unpatched (0.18.2 and 0.19.2; rows whose unpatched run raises, the LRU faults of
    0.17/0.18, are n/a). Target: <= 1.02.
+6. weight_update (fault 8, `weight-update-invalidation`; 0.19.2, 0.18.2, 0.17.1, each in its own
+   worker): (a) add_request with only that patch's wrappers vs none, and vs a do-nothing wrapt
+   wrapper on the same functions, prompts of 64 to 8,192 tokens, full / partial / no match
+   (target <= 1.02); (b) engine step time of section 3's case, every patch vs every patch but this
+   one (target <= 1.01); (c) megatron_ext.invalidate_prefix_cache(context) on a 65,536-block pool
+   holding 10,000 registered blocks (LRU all cached at ref 0, REF_ZERO / LRU all held by live
+   requests, LRU half and half) vs leaving ref-0 blocks unreachable to age out; ms per call,
+   median and spread (target: median <= 5 ms).
 
 Every timed call records both the wall clock (time.perf_counter_ns) and the calling thread's
 CPU time (time.thread_time_ns; torch runs on one intra-op thread). Verdicts use --clock (default
@@ -31,7 +39,9 @@ run one at a time, pinned to one CPU after start-up (--cpu), and variants are in
 short batches, round by round, so that load on the machine hits every variant alike.
 
 JSON (--json): {"meta": machine, settings, releases (tree, patch states), stage_s, total_s;
-"release" / "add_request" / "e2e" / "lru": {"target", "clock", "rows": [...]}; "scaling": {"rows"}}.
+"release" / "add_request" / "e2e" / "lru": {"target", "clock", "rows": [...]}; "scaling": {"rows"};
+"weight_update": {"targets", "add_request" / "e2e" / "flush": {"rows"}, "rows": all three (key
+"part"), "load_average_start" / "load_average_end"}}.
 Each row has "variants" (per variant: {"cpu_us"|"wall_us": {median, q1, q3, iqr, min, max, n}}),
 "ratios" (e.g. "patched/upstream": {"cpu", "wall", "rounds_cpu": spread of per-round ratios}) and
 "verdict" (PASS / FAIL; e2e / lru rows whose two runs did different work or raised: n/a).
@@ -61,7 +71,7 @@ if "megatron_ext" not in sys.modules:
 from rich.console import Console  # noqa: E402
 
 from benchmarks import report as bench_report  # noqa: E402
-from benchmarks.runner import SECTIONS, run, settings  # noqa: E402
+from benchmarks.runner import SECTIONS, WU_PARTS, run, settings  # noqa: E402
 from benchmarks.trees import DEFAULT_SEARCH  # noqa: E402
 
 
@@ -71,6 +81,15 @@ def section_list(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(
             f"unknown section(s) {unknown or text!r}: choose from {', '.join(SECTIONS)}")
+    return names
+
+
+def wu_part_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in WU_PARTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown part(s) {unknown or text!r}: choose from {', '.join(WU_PARTS)}")
     return names
 
 
@@ -91,6 +110,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--release-rounds", type=int, help="override section 1's rounds")
     parser.add_argument("--e2e-runs", type=int, help="override section 3's runs per variant")
     parser.add_argument("--lru-runs", type=int, help="override section 5's runs per variant")
+    parser.add_argument("--wu-releases", type=lambda t: [v.strip() for v in t.split(",") if v.strip()],
+                        metavar="VERSIONS", help="section 6's releases, comma-separated (default: "
+                        "0.19.2,0.18.2,0.17.1; --short: 0.19.2)")
+    parser.add_argument("--wu-parts", type=wu_part_list, metavar="PARTS",
+                        help=f"section 6's parts, comma-separated (default: all: {','.join(WU_PARTS)})")
+    parser.add_argument("--wu-e2e-runs", type=int, help="override section 6's engine runs per variant")
     parser.add_argument("--sections", type=section_list, default=list(SECTIONS), metavar="NAMES",
                         help=f"comma-separated sections to run (default: all: {','.join(SECTIONS)}; "
                              "scaling comes with release)")
@@ -111,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         config.e2e_runs = args.e2e_runs
     if args.lru_runs:
         config.lru_runs = args.lru_runs
+    if args.wu_releases:
+        config.wu_releases = args.wu_releases
+    if args.wu_parts:
+        config.wu_parts = args.wu_parts
+    if args.wu_e2e_runs:
+        config.wu_e2e_runs = args.wu_e2e_runs
     console = Console(width=max(Console().width, 220) if not sys.stdout.isatty() else None)
     err = Console(stderr=True, soft_wrap=True)
     progress = (lambda message: None) if args.quiet else (lambda message: err.print(f"[dim]{message}[/]"))

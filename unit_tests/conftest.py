@@ -4,6 +4,10 @@
 patches of ``patches/`` (the released code is then fixed already). Set ``MEGATRON_EXT_TEST_UNPATCHED=1`` to run the same tests against the released code without the
 runtime patches: the fault tests then fail on the releases that have the faults, which is how the
 issue notes count "fails unpatched, passes patched".
+
+Helpers of the command-line refusal tests (``test_cli_errors.py``, ``test_tokenizer.py``, ...): the
+:func:`nothing_runs` fixture and :func:`one_error_line` (import it: ``from unit_tests.conftest import
+one_error_line``).
 """
 
 from __future__ import annotations
@@ -39,3 +43,22 @@ def runtime_patches():
     results = [] if UNPATCHED else megatron_ext.apply()
     yield results
     megatron_ext.revert()
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Make every engine entry point of ``ab`` fail the test: a refusal of bad input that came too
+    late (after a model or engine was built, or the patches applied) then fails instead of passing."""
+    from megatron_ext.harness import ab  # imports torch: only the tests that use the fixture pay
+
+    for name in ("build_model", "build_engine", "apply", "run_ab"):
+        monkeypatch.setattr(ab, name, lambda *a, **k: pytest.fail("ran something before refusing the input"))
+
+
+def one_error_line(capsys) -> str:
+    """The one line the command line printed on stderr, asserting there is exactly one and that it
+    is megatron-ext's error line (``megatron-ext: error: ...``): bad input gets one line, no traceback."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("megatron-ext: error: ")
+    return err[0]

@@ -24,8 +24,9 @@ import pytest
 import torch
 
 from megatron_ext.harness.cases import ModelSpec
-from megatron_ext.harness.checkpoint import CheckpointError, UnloadedObject, read_common_state
-from megatron_ext.harness.checkpoint_args import megatron_lm_args, model_spec_from_args
+from megatron_ext.harness.checkpoint import CheckpointError, CheckpointSource, UnloadedObject, read_common_state
+from megatron_ext.harness.checkpoint_args import (check_case_model_matches_args, megatron_lm_args, model_spec_from_args,
+                                                 shapeless_disagreements)
 
 LLAMA = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
                   ffn_hidden_size=176, normalization="RMSNorm", swiglu=True,
@@ -222,3 +223,64 @@ def test_common_state_missing_is_refused(tmp_path):
     (tmp_path / "common.pt").unlink()
     with pytest.raises(CheckpointError, match=r"cannot read the index \(.metadata\) of"):
         read_common_state(tmp_path)
+
+
+# ------------------------------------------- a model section that disagrees where shapes cannot show it
+
+
+@pytest.mark.parametrize("field, theirs", [("norm_epsilon", 1e-6), ("rotary_base", 10000), ("rotary_percent", 1.0)])
+def test_values_shapes_cannot_show_are_compared(field, theirs):
+    args = megatron_lm_args(LLAMA, 512)
+    setattr(args, field, theirs)
+    assert shapeless_disagreements(LLAMA, args) == [(field, getattr(LLAMA, field), theirs)]
+    assert shapeless_disagreements(LLAMA, megatron_lm_args(LLAMA, 512)) == []
+
+
+def test_megatron_lm_defaults_stand_in_for_missing_args():
+    args = megatron_lm_args(ModelSpec(), 257)
+    for name in ("norm_epsilon", "rotary_base", "rotary_percent"):
+        delattr(args, name)
+    assert shapeless_disagreements(ModelSpec(), args) == []
+    assert shapeless_disagreements(ModelSpec(norm_epsilon=1e-6), args) == [("norm_epsilon", 1e-6, 1e-5)]
+
+
+def test_rotary_values_of_a_learned_position_model_are_not_compared():
+    # learned absolute positions: rotary_base / rotary_percent are unused (and a rope checkpoint
+    # would show as a missing position-embedding tensor)
+    spec = ModelSpec()
+    args = megatron_lm_args(spec, 257)
+    args.rotary_base, args.rotary_percent = 500000, 0.5
+    assert shapeless_disagreements(spec, args) == []
+
+
+def test_attention_geometry_is_compared_only_where_the_shapes_agree():
+    ours = ModelSpec(num_attention_heads=8)  # hidden 64: 8 heads of 8 channels
+    same_shapes = megatron_lm_args(ModelSpec(num_attention_heads=4), 257)  # 4 heads of 16: same qkv shape
+    assert shapeless_disagreements(ours, same_shapes) == [("num_attention_heads", 8, 4), ("num_query_groups", 8, 4),
+                                                          ("kv_channels", 8, 16)]
+    other_shapes = megatron_lm_args(ModelSpec(num_attention_heads=4, kv_channels=8), 257)  # qkv rows differ
+    assert shapeless_disagreements(ours, other_shapes) == []
+
+
+def _source_with_args(tmp_path, args) -> CheckpointSource:
+    torch.save({"args": args, "iteration": 3, "checkpoint_version": 3.0}, tmp_path / "common.pt")
+    return CheckpointSource(requested=str(tmp_path), path=str(tmp_path), iteration=3)
+
+
+def test_disagreeing_model_section_is_refused_naming_both_values_and_the_fix(tmp_path):
+    args = megatron_lm_args(LLAMA, 512)
+    args.norm_epsilon, args.rotary_base = 1e-6, 10000
+    with pytest.raises(CheckpointError) as error:
+        check_case_model_matches_args(_source_with_args(tmp_path, args), LLAMA)
+    assert str(error.value) == (
+        f"--load {tmp_path}: the case's model section has norm_epsilon=1e-05 but the checkpoint's Megatron-LM "
+        "args have norm_epsilon=1e-06, rotary_base: 500000 vs 10000 (the weights' shapes cannot show it, so the "
+        "run would use the wrong one); set norm_epsilon: 1e-06 in the case's model section, or leave the model "
+        "section out to build the model from the checkpoint's args")
+    assert "\n" not in str(error.value)
+
+
+def test_agreeing_model_section_or_no_args_passes(tmp_path):
+    check_case_model_matches_args(_source_with_args(tmp_path, megatron_lm_args(LLAMA, 512)), LLAMA)
+    torch.save({"iteration": 3}, tmp_path / "common.pt")  # saved by dist_checkpointing.save alone: no args
+    check_case_model_matches_args(CheckpointSource(str(tmp_path), str(tmp_path), 3), LLAMA)

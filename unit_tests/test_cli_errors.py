@@ -13,19 +13,7 @@ import pytest
 
 from megatron_ext import cli
 from megatron_ext.harness import ab
-
-
-@pytest.fixture
-def nothing_runs(monkeypatch):
-    for name in ("build_model", "build_engine", "apply", "run_ab"):
-        monkeypatch.setattr(ab, name, lambda *a, **k: pytest.fail("ran something before refusing the input"))
-
-
-def one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("megatron-ext: error: ")
-    return err[0]
+from unit_tests.conftest import one_error_line
 
 
 @pytest.mark.parametrize("command", [["ab", "--json"], ["ab", "--plot"], ["soak", "--requests", "5", "--json"],

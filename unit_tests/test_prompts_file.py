@@ -17,6 +17,39 @@ def test_plain_text_one_prompt_per_line_blank_lines_skipped(tmp_path):
         (1, "first prompt", 3, 5, 0), (3, "  second, with {braces}  ", 3, 5, 0)]
 
 
+@pytest.mark.parametrize("inside", ["\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029", "\v", "\r"])
+def test_plain_text_lines_end_at_newline_only(tmp_path, inside):
+    # str.splitlines() breaks at all of these (but \r only with universal newlines): they are part of the prompt
+    path = tmp_path / "p.txt"
+    path.write_bytes(f"one{inside}two\nthree\r\nfour".encode())
+    prompts = read_prompts(path)
+    assert [(n, s.prompt) for n, s in prompts] == [(1, f"one{inside}two"), (2, "three"), (3, "four")]
+
+
+def test_jsonl_line_holding_an_unescaped_line_separator_is_one_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    # JSON allows U+2028, U+2029 and U+0085 raw inside strings (not \x1c: a control character)
+    path.write_bytes('{"prompt": "a\u2028b"}\r\n{"prompt": "c\x85d\u2029", "samples": 2}\n'.encode())
+    prompts = read_prompts(path)
+    assert [(n, s.prompt, s.samples) for n, s in prompts] == [(1, "a\u2028b", 1), (2, "c\x85d\u2029", 2)]
+
+
+@pytest.mark.parametrize("suffix, body", [(".txt", "first\r\nsecond\r\n"),
+                                          (".jsonl", '{"prompt": "first"}\n{"prompt": "second"}\n')])
+def test_utf8_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path, suffix, body):
+    path = tmp_path / f"p{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    assert [(n, s.prompt) for n, s in read_prompts(path)] == [(1, "first"), (2, "second")]
+
+
+def test_bad_utf8_after_a_byte_order_mark_names_the_file_offset(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"\xef\xbb\xbfab\xff\n")
+    with pytest.raises(PromptFileError) as error:
+        read_prompts(path)
+    assert str(error.value) == f"--prompts {path}: not UTF-8 text (byte 5); save it as UTF-8"
+
+
 def test_jsonl_lines_override_the_command_line_defaults(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n{"prompt": "b", "samples": 2, "num_tokens_to_generate": 4, "arrival_step": 7}\n')

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from megatron_ext import cli, mcore
-from megatron_ext.harness import ab
+from unit_tests.conftest import one_error_line
 from megatron_ext.harness.cases import load_case, plan_requests, shipped_cases
 from megatron_ext.harness.tokenizer import TokenizerError, check_vocab_fits, default_tokenizer, load_tokenizer
 from unit_tests.tokenizer_factory import save_hf, train_bpe
@@ -22,19 +22,6 @@ PROMPT = "What is a KV block?"
 def hf_dir(tmp_path_factory):
     """A BPE tokenizer of 200 IDs trained here, saved as a Hugging Face directory (no metadata)."""
     return save_hf(train_bpe(200), tmp_path_factory.mktemp("tok") / "bpe200")
-
-
-@pytest.fixture
-def nothing_runs(monkeypatch):
-    for name in ("build_model", "build_engine", "apply", "run_ab"):
-        monkeypatch.setattr(ab, name, lambda *a, **k: pytest.fail("ran something before refusing the input"))
-
-
-def one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("megatron-ext: error: ")
-    return err[0]
 
 
 def test_default_is_megatron_cores_byte_level_tokenizer_as_the_cases_were_written_for():
@@ -142,5 +129,57 @@ def test_cli_library_megatron_core_cannot_load_exits_2(tmp_path, nothing_runs, c
 
 def test_cli_library_without_tokenizer_exits_2(nothing_runs, capsys):
     assert cli.main(["ab", "--tokenizer-library", "huggingface"]) == 2
+    assert one_error_line(capsys) == ("megatron-ext: error: --tokenizer-library names the library of "
+                                      "--tokenizer PATH; pass --tokenizer too")
+
+
+# ------------------------------------------------------------------------ soak --tokenizer
+
+
+@pytest.fixture
+def soak_engine(monkeypatch):
+    """``run_ab`` for soak replaced: records the case and tokenizer it was given, returns a PASS."""
+    from types import SimpleNamespace
+
+    from megatron_ext.harness import ab, report, soak
+
+    seen = {}
+
+    def run_ab(case, **kwargs):
+        seen.update(case=case, tokenizer=kwargs.get("tokenizer"))
+        return SimpleNamespace(exit_code=lambda: 0, as_json=dict)
+
+    monkeypatch.setattr(ab, "run_ab", run_ab)
+    monkeypatch.setattr(report, "print_report", lambda *a, **k: None)
+    monkeypatch.setattr(soak, "soak_summary", lambda result: {"requests": 3, "runs": {}})
+    return seen
+
+
+def test_soak_tokenizer_is_passed_to_the_runs(hf_dir, soak_engine, capsys):
+    assert cli.main(["soak", "--requests", "3", "--no-progress", "--tokenizer", str(hf_dir),
+                     "--tokenizer-library", "huggingface"]) == 0
+    tokenizer = soak_engine["tokenizer"]
+    assert (tokenizer.library, tokenizer.path, tokenizer.vocab_size) == ("huggingface", str(hf_dir), 200)
+    assert soak_engine["case"].model.vocab_size == 257  # 200 IDs fit the soak model
+    assert "vocab_size" not in capsys.readouterr().out
+
+
+def test_soak_model_grows_to_a_larger_tokenizer_and_says_so(tmp_path, soak_engine, capsys):
+    directory = save_hf(train_bpe(300, byte_level=True), tmp_path / "bpe300")
+    dumped = tmp_path / "soak.yaml"
+    assert cli.main(["soak", "--requests", "3", "--no-progress", "--tokenizer", str(directory),
+                     "--tokenizer-library", "huggingface", "--dump-case", str(dumped)]) == 0
+    assert soak_engine["case"].model.vocab_size == 300
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"soak: model vocab_size 257 -> 300 to fit the token IDs of --tokenizer {directory}")
+    assert load_case(str(dumped)).model.vocab_size == 300  # 'ab --case soak.yaml --tokenizer' reruns it
+    planned = plan_requests(soak_engine["case"], soak_engine["tokenizer"])  # the prompts tokenize with it
+    assert len(planned) == 3 and all(max(r.prompt_tokens) < 300 for r in planned)
+
+
+def test_soak_bad_tokenizer_exits_2_before_running(tmp_path, nothing_runs, capsys):
+    assert cli.main(["soak", "--requests", "3", "--tokenizer", str(tmp_path / "nope")]) == 2
+    assert one_error_line(capsys) == f"megatron-ext: error: --tokenizer {tmp_path / 'nope'}: no such file or directory"
+    assert cli.main(["soak", "--requests", "3", "--tokenizer-library", "huggingface"]) == 2
     assert one_error_line(capsys) == ("megatron-ext: error: --tokenizer-library names the library of "
                                       "--tokenizer PATH; pass --tokenizer too")

@@ -1,34 +1,40 @@
 """Interpreter start-up hook, run from ``megatron_ext_startup.pth`` when ``MEGATRON_EXT_AUTO=1``.
 
-It imports neither torch nor megatron-core at start-up: it registers a post-import hook (wrapt)
-so the patches are applied the moment megatron-core's dynamic inference context is imported.
-That module imports the KV block allocator module itself, so both targets exist by then.
+It imports neither torch nor megatron-core nor wrapt at start-up: it registers a post-import hook
+(:func:`megatron_ext._startup.import_hooks.when_imported`, standard library only) so the patches
+are applied the moment megatron-core's dynamic inference context is imported (at once if it is
+imported already). That module imports the KV block allocator module itself, so both targets exist
+by then. wrapt, torch and the patches load inside the hook, with megatron-core.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: it imports the __future__ module, and this module runs
+# at the start-up of every process under MEGATRON_EXT_AUTO=1 (each module there counts).
+import os
 
-from ..env import flag
+from .import_hooks import when_imported
 
 AUTO_ENV = "MEGATRON_EXT_AUTO"
 HOOKED_MODULE = "megatron.core.inference.contexts.dynamic_context"
 
+# The flag values of megatron_ext.env.TRUE_VALUES, repeated so start-up does not import that module.
+_TRUE_VALUES = ("1", "true", "yes", "on")
+
 
 def enabled() -> bool:
-    return flag(AUTO_ENV)
+    """Whether ``MEGATRON_EXT_AUTO`` is on (as :func:`megatron_ext.env.flag` reads it)."""
+    return os.environ.get(AUTO_ENV, "").strip().lower() in _TRUE_VALUES
 
 
 def _apply_on_import(_module: object) -> None:
-    from ..api import apply
     from ..announce import announce
+    from ..api import apply
 
     announce(apply())
 
 
 def install() -> None:
-    """Register the post-import hook; if the module is already imported wrapt calls it at once."""
-    import wrapt
-
-    wrapt.register_post_import_hook(_apply_on_import, HOOKED_MODULE)
+    """Register the post-import hook; if the module is imported already the patches apply at once."""
+    when_imported(HOOKED_MODULE, _apply_on_import)
 
 
 if enabled():

@@ -20,7 +20,7 @@ from ..errors import DeviceUnavailableError
 from .audits import FAULT_OF_KIND
 from .cases import Case, PlannedRequest, check_top_n_fits, plan_requests, validate_planned
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint, resolve_checkpoint
-from .checkpoint_args import checkpoint_model_spec
+from .checkpoint_args import check_case_model_matches_args, checkpoint_model_spec
 from .compare import RequestDiff, RequestOutput, compare_runs
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .rounds import left_out, update_mismatches
@@ -366,8 +366,15 @@ def run_ab(
 
 def _case_for_checkpoint(case: Case, source: CheckpointSource) -> Case:
     """``case`` with the model the checkpoint's Megatron-LM args describe, when the case has no
-    ``model`` section and the checkpoint has args; otherwise ``case`` unchanged."""
+    ``model`` section and the checkpoint has args; otherwise ``case`` unchanged.
+
+    Raises:
+        CheckpointError: the case's model section disagrees with the checkpoint's args on a value
+            the weights' shapes cannot show (``norm_epsilon``, ``rotary_base``, ...; see
+            :func:`megatron_ext.harness.checkpoint_args.check_case_model_matches_args`).
+    """
     if "model" in case.model_fields_set:
+        check_case_model_matches_args(source, case.model)
         return case
     spec = checkpoint_model_spec(source, case.model)
     if spec is None:

@@ -209,6 +209,76 @@ def model_spec_from_args(args: Any, where: str, base: Optional[ModelSpec] = None
                               f"{describe_validation_error(exc)}") from None
 
 
+#: ``ModelSpec`` fields no tensor shape depends on: a case's model section that disagrees with the
+#: checkpoint on one of them loads without a shape mismatch and runs a different model. Megatron-LM's
+#: defaults where the args lack them (as :func:`model_spec_from_args`).
+SHAPELESS_FIELDS = {"norm_epsilon": 1e-5, "rotary_base": 10000, "rotary_percent": 1.0}
+
+
+def _attention_geometry(heads: Any, groups: Any, kv_channels: Any, hidden: Any) -> Optional[tuple]:
+    """``(heads, query groups, kv_channels)`` with Megatron's defaults filled in; None if not integers."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (heads, hidden)):
+        return None
+    kv_channels = kv_channels or hidden // heads
+    return heads, groups or heads, kv_channels
+
+
+def shapeless_disagreements(spec: ModelSpec, args: Any) -> list[tuple[str, Any, Any]]:
+    """``(field, case value, checkpoint value)`` for each model value the case's ``spec`` gives
+    otherwise than the checkpoint's Megatron-LM ``args`` where the weights' shapes cannot show it.
+
+    Compared: :data:`SHAPELESS_FIELDS` (the rotary ones only when both are RoPE models; otherwise the
+    position embedding tensor differs), and the attention geometry (heads, query groups,
+    kv_channels) when every attention shape agrees (e.g. 8 heads of 8 channels against 4 of 16).
+    Everything else a difference changes shows as a tensor shape (or a missing tensor) at load.
+    """
+    found = []
+    rope = spec.position_embedding_type == "rope" and _position_embedding_type(args) == "rope"
+    for name, default in SHAPELESS_FIELDS.items():
+        if name.startswith("rotary_") and not rope:
+            continue
+        theirs = getattr(args, name, default)
+        if theirs is None:
+            theirs = default
+        if getattr(spec, name) != theirs:
+            found.append((name, getattr(spec, name), theirs))
+    group_query = getattr(args, "group_query_attention", False)
+    ours = _attention_geometry(spec.num_attention_heads, spec.num_query_groups, spec.kv_channels, spec.hidden_size)
+    theirs = _attention_geometry(getattr(args, "num_attention_heads", None),
+                                 getattr(args, "num_query_groups", None) if group_query else None,
+                                 getattr(args, "kv_channels", None), getattr(args, "hidden_size", None))
+    if ours and theirs and ours != theirs and getattr(args, "hidden_size", None) == spec.hidden_size:
+        (heads, groups, kv), (their_heads, their_groups, their_kv) = ours, theirs
+        if heads * kv == their_heads * their_kv and groups * kv == their_groups * their_kv:
+            for name, mine, other in zip(("num_attention_heads", "num_query_groups", "kv_channels"), ours, theirs):
+                if mine != other:
+                    found.append((name, mine, other))
+    return found
+
+
+def check_case_model_matches_args(source: CheckpointSource, spec: ModelSpec) -> None:
+    """Refuse a case's model section that disagrees with the checkpoint's Megatron-LM args on a
+    value its weights' shapes cannot show (:func:`shapeless_disagreements`): loading would succeed
+    and run another model than the one trained, silently. Nothing is checked when the checkpoint
+    stores no args (or args that are not a Namespace: the shapes are all there is then).
+
+    Raises:
+        CheckpointError: the first disagreement, both values named, with the fix.
+    """
+    args = read_common_state(source.path).get("args")
+    if not isinstance(args, argparse.Namespace):
+        return
+    found = shapeless_disagreements(spec, args)
+    if found:
+        name, ours, theirs = found[0]
+        others = "".join(f", {n}: {o!r} vs {t!r}" for n, o, t in found[1:])
+        raise CheckpointError(
+            f"--load {source.requested}: the case's model section has {name}={ours!r} but the checkpoint's "
+            f"Megatron-LM args have {name}={theirs!r}{others} (the weights' shapes cannot show it, so the run "
+            f"would use the wrong one); set {name}: {theirs!r} in the case's model section, or leave the "
+            "model section out to build the model from the checkpoint's args")
+
+
 def checkpoint_model_spec(source: CheckpointSource, base: Optional[ModelSpec] = None) -> Optional[ModelSpec]:
     """The :class:`ModelSpec` from the Megatron-LM ``args`` in ``source``'s common state, or None
     when the checkpoint stores no ``args`` (e.g. saved by ``dist_checkpointing.save`` alone).

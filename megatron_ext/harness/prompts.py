@@ -6,13 +6,17 @@ Two formats, by the file's suffix:
   "num_tokens_to_generate": 32, "arrival_step": 0}``; only ``prompt`` is required.
 - anything else: plain text, one prompt per line (the line break is not part of the prompt).
 
-Blank lines are skipped in both. ``samples`` (Megatron's ``--inference-repeat-n``) and
+Lines end at ``\n`` or ``\r\n`` only: a form feed, ``\x1c``-``\x1e``, ``\x85``, U+2028 or
+U+2029 (which :meth:`str.splitlines` would also break at) is part of the prompt, as it is part of a
+JSON string. A UTF-8 byte-order mark at the start of the file is dropped (editors on Windows write
+one); it is not part of the first prompt. Blank lines are skipped in both. ``samples`` (Megatron's ``--inference-repeat-n``) and
 ``num_tokens_to_generate`` default to the command line's ``--samples`` / ``--num-tokens-to-generate``.
 The rest of the case (model, inference config, eviction policies, sampling) comes from ``--case``.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -51,7 +55,7 @@ def read_prompts(path: Path, samples: int = 1, num_tokens_to_generate: Optional[
         defaults["num_tokens_to_generate"] = num_tokens_to_generate
     jsonl = path.suffix == ".jsonl"
     prompts = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(_lines(text), start=1):
         if not line.strip():
             continue
         fields = _jsonl_fields(path, number, line) if jsonl else {"prompt": line}
@@ -90,17 +94,32 @@ def prompts_case(case: Case, path: Path, samples: int = 1,
                                    "expectations": Expectations()})
 
 
+def _lines(text: str) -> list[str]:
+    """``text`` split at ``\n`` and ``\r\n`` only, without the line breaks.
+
+    Not :meth:`str.splitlines`: it also breaks at ``\f``, ``\x1c``, U+2028 and others, which cut
+    a prompt in two (and a JSON line holding U+2028 unescaped, which JSON allows, into two bad lines).
+    A lone ``\r`` is kept: it ends no line here, so it belongs to the prompt.
+    """
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
 def _read(path: Path) -> str:
+    """The file's text, its line breaks untouched (no universal-newline translation: a lone ``\r``
+    stays in its prompt) and a leading UTF-8 byte-order mark dropped."""
     if path.is_dir():
         raise PromptFileError(f"--prompts {path} is a directory; pass a .jsonl or text file")
     try:
-        return path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise PromptFileError(f"--prompts {path}: no such file") from None
-    except UnicodeDecodeError as exc:
-        raise PromptFileError(f"--prompts {path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     except OSError as exc:
         raise PromptFileError(f"--prompts {path}: cannot read it: {exc.strerror}") from None
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[start:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PromptFileError(f"--prompts {path}: not UTF-8 text (byte {start + exc.start}); save it as UTF-8") from None
 
 
 def _jsonl_fields(path: Path, number: int, line: str) -> dict[str, Any]:

@@ -13,8 +13,14 @@ released in 0.19.0), under upstream's names and meanings:
 
 - ``block_parent_id`` (int64 ``[total_count]``, bookkeeping device; -1 = root or not
   registered) and ``block_child_count`` (int64 ``[total_count]``; registered children) on the
-  allocator, made at construction (or on first use for an allocator built before ``apply()``,
-  whose earlier blocks then count as roots) and cleared by ``reset()``;
+  allocator, made at construction and cleared by ``reset()``. An allocator built before
+  ``apply()``, or one that lived through ``revert()`` / ``apply()``, had blocks registered,
+  deregistered or evicted by the released code without them: at its first call after each
+  ``apply()`` the tables are remade (:func:`sync_forest`): cached blocks, whose links are
+  unknown, are deregistered into the free pool (never served, so never a lookup of a missing
+  parent), and the blocks live requests hold are linked from their block tables. Tables are made
+  with inference mode off, so a first call inside ``torch.inference_mode()`` cannot leave inference
+  tensors that a registration outside it could not update;
 - ``register_kv_block_hashes(block_ids, block_hashes, parent_hashes=None)`` links each newly
   registered block to its parent and counts it as the parent's child; a block that already holds
   the hash is skipped (registration is idempotent, as upstream's #5995 made it). Parents come
@@ -50,6 +56,8 @@ RESET = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.reset")
 EVICT = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.evict_lru_blocks")
 # Relied on: the only caller of register_kv_block_hashes, with the block table row laid out.
 ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
+# Every prefix lookup: the first call after apply() may be one, before any allocator call.
+FIND_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._find_kv_match_count")
 
 # Recorded from the released wheels with scripts/record_fingerprints.py.
 _V017 = {
@@ -59,6 +67,7 @@ _V017 = {
     "KVBlockAllocator.reset": "44c8ea2ff721d0a6",
     "KVBlockAllocator.evict_lru_blocks": "efda579264685c4d",
     "DynamicInferenceContext.add_request": "8ac0ab32824d8700",
+    "DynamicInferenceContext._find_kv_match_count": "89289c465254fc71",
 }
 _V018 = {
     **_V017,
@@ -73,22 +82,89 @@ class PrefixForestError(MegatronExtError, RuntimeError):
     """The cached blocks' parent links are not a forest, so leaf-first eviction cannot free enough."""
 
 
+#: Installs of this patch so far. Tables kept from an earlier install may have missed what the
+#: released code registered, deregistered or evicted while the patch was reverted.
+_generation = 0
+#: Allocator attribute: the install (``_generation``) its tables were last made for.
+GENERATION_ATTR = "_megatron_ext_forest_generation"
+_NOTHING = torch.empty(0, dtype=torch.int64)
+
+
 def prefix_forest(allocator: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(block_parent_id, block_child_count)`` of an LRU allocator, made if it has none yet.
+    """``(block_parent_id, block_child_count)`` of an LRU allocator, made if it has none yet, and
+    remade (:func:`sync_forest`) if they predate the patch's current install.
 
     Both int64, shape ``[total_count]``, on the device of ``block_hashes`` (the GPU on 0.17).
     """
-    if not hasattr(allocator, "block_parent_id"):
-        device = allocator.block_hashes.device
-        allocator.block_parent_id = torch.full((allocator.total_count,), -1, dtype=torch.int64, device=device)
-        allocator.block_child_count = torch.zeros(allocator.total_count, dtype=torch.int64, device=device)
+    if _generation:
+        sync_forest(allocator)
+    elif not hasattr(allocator, "block_parent_id"):
+        _new_tables(allocator)
     return allocator.block_parent_id, allocator.block_child_count
+
+
+def sync_forest(allocator: Any) -> torch.Tensor:
+    """Make the tables current for this install of the patch.
+
+    Tables made under this install are kept. Otherwise (an allocator built before ``apply()``, or
+    tables from before a ``revert()``) the links of cached blocks are unknown: every cached block
+    (ref count 0, hashed) is deregistered into the free pool (never served, so never a lookup of a
+    missing parent), and the blocks live requests hold are linked from their block tables (a
+    request holds its whole prefix, entry k's parent is entry k-1).
+
+    Returns the IDs (int64) of the cached blocks deregistered, empty if the tables were current.
+    """
+    if allocator.__dict__.get(GENERATION_ATTR) == _generation:
+        return _NOTHING
+    parent_id, child_count = _new_tables(allocator)
+    dropped = torch.nonzero((allocator.block_ref_counts == 0) & (allocator.block_hashes != -1)).flatten()
+    if dropped.numel():  # through the instance: audits and this patch's own wrapper see it
+        allocator._deregister_blocks(dropped.to(allocator.block_bag.dtype))
+    children, parents = _live_links(allocator)
+    if children.numel():
+        parent_id[children] = parents
+        child_count.index_add_(0, parents, torch.ones_like(parents))
+    return dropped.to(torch.int64)
+
+
+def _new_tables(allocator: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh tables, stamped with the current install. Made with inference mode off: inference
+    tensors made inside it could not be updated in place by a registration outside it."""
+    device, count = allocator.block_hashes.device, allocator.total_count
+    with torch.inference_mode(False):
+        allocator.block_parent_id = torch.full((count,), -1, dtype=torch.int64, device=device)
+        allocator.block_child_count = torch.zeros(count, dtype=torch.int64, device=device)
+    allocator.__dict__[GENERATION_ATTR] = _generation
+    return allocator.block_parent_id, allocator.block_child_count
+
+
+def _live_links(allocator: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(children, parents)``: int64 block IDs, each child once, of consecutive hashed entries in
+    the block tables of the context's live requests (paused, active, a chunked prefill between
+    chunks). Empty for an allocator whose context has no block tables (a test stand-in)."""
+    context = allocator.context
+    tables = getattr(context, "request_to_kv_block_ids", None)
+    if tables is None:
+        return _NOTHING, _NOTHING
+    end = context.total_request_count
+    if getattr(context, "chunked_prefill_request_id", -1) != -1 and end < tables.shape[0]:
+        end += int(context.request_ids[end]) == context.chunked_prefill_request_id
+    hashed = allocator.block_hashes != -1
+    links: dict[int, int] = {}
+    for row in range(end):
+        table = tables[row][: int(context.request_kv_block_counts[row])].to(torch.int64)
+        table = table[table >= 0]
+        pair = hashed[table[1:]] & hashed[table[:-1]]
+        links.update(zip(table[1:][pair].tolist(), table[:-1][pair].tolist()))
+    device = allocator.block_hashes.device
+    return (torch.tensor(list(links), dtype=torch.int64, device=device),
+            torch.tensor(list(links.values()), dtype=torch.int64, device=device))
 
 
 def _init_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
     wrapped(*args, **kwargs)
     if uses_lru_prefix_caching(allocator):
-        prefix_forest(allocator)
+        _new_tables(allocator)
 
 
 def _bind_register(block_ids: list[int], block_hashes: list[int], parent_hashes: list[int] | None = None):
@@ -143,13 +219,19 @@ def _register_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: di
     block_ids, block_hashes, parent_hashes = _bind_register(*args, **kwargs)
     if not block_ids or not uses_lru_prefix_caching(allocator):
         return wrapped(block_ids, block_hashes)
+    sync_forest(allocator)
     register_with_parents(allocator, wrapped, block_ids, block_hashes, parent_hashes)
 
 
 def _deregister_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
     block_ids = kwargs["block_ids"] if "block_ids" in kwargs else args[0]
-    wrapped(*args, **kwargs)
-    if uses_lru_prefix_caching(allocator) and block_ids.numel():
+    if not uses_lru_prefix_caching(allocator):
+        return wrapped(block_ids)
+    dropped = sync_forest(allocator)
+    if dropped.numel():  # the resync deregistered some of them already: never twice
+        block_ids = block_ids[~torch.isin(block_ids.to(torch.int64), dropped.to(block_ids.device))]
+    wrapped(block_ids)
+    if block_ids.numel():
         parent_id, child_count = prefix_forest(allocator)
         ids = block_ids.to(device=parent_id.device, dtype=torch.int64)
         parents = parent_id[ids]
@@ -162,9 +244,7 @@ def _deregister_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: 
 def _reset_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
     wrapped(*args, **kwargs)
     if uses_lru_prefix_caching(allocator):
-        parent_id, child_count = prefix_forest(allocator)
-        parent_id.fill_(-1)
-        child_count.fill_(0)
+        _new_tables(allocator)  # nothing is registered after a reset
 
 
 def evict_leaves_first(allocator: Any, num_blocks_needed: int) -> bool:
@@ -182,13 +262,15 @@ def evict_leaves_first(allocator: Any, num_blocks_needed: int) -> bool:
         PrefixForestError: the leaves ran out before enough blocks were found (a cycle in the
             parent links: a block-hash collision). Nothing is evicted then.
     """
+    if _generation:  # first: a resync may free cached blocks, which count towards the need
+        num_blocks_needed -= int(sync_forest(allocator).numel())
+    parent_id, child_count = prefix_forest(allocator)
     cached = torch.nonzero((allocator.block_ref_counts == 0) & (allocator.block_hashes != -1),
                            as_tuple=True)[0]
     if cached.numel() < num_blocks_needed:
         return False
     if num_blocks_needed <= 0:
         return True
-    parent_id, child_count = prefix_forest(allocator)
     blocks = cached.tolist()
     stamp = dict(zip(blocks, allocator.block_timestamps[cached].tolist()))
     parent = dict(zip(blocks, parent_id[cached].tolist()))
@@ -211,6 +293,14 @@ def evict_leaves_first(allocator: Any, num_blocks_needed: int) -> bool:
         )
     allocator._deregister_blocks(torch.tensor(victims, dtype=cached.dtype, device=cached.device))
     return True
+
+
+def _find_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
+    """A lookup walks a matched chain down to its root: resync first, so no unlinked cached
+    block (a child whose parent the released code evicted) is ever matched."""
+    if uses_lru_prefix_caching(context.kv_block_allocator):
+        sync_forest(context.kv_block_allocator)
+    return wrapped(*args, **kwargs)
 
 
 def _evict_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> bool:
@@ -252,13 +342,18 @@ class LeafFirstEvictionPatch(Patch):
 
     def wrappers(self) -> dict[Target, Callable]:
         return {INIT: _init_wrapper, REGISTER: _register_wrapper, DEREGISTER: _deregister_wrapper,
-                RESET: _reset_wrapper, EVICT: _evict_wrapper}
+                RESET: _reset_wrapper, EVICT: _evict_wrapper, FIND_MATCH: _find_match_wrapper}
 
     def checked_functions(self) -> tuple[Target, ...]:
-        return (INIT, REGISTER, DEREGISTER, RESET, EVICT, ADD_REQUEST)
+        return (INIT, REGISTER, DEREGISTER, RESET, EVICT, FIND_MATCH, ADD_REQUEST)
 
     def needed(self) -> tuple[bool, str]:
         return probe_eviction_order(EVICT.original())
+
+    def install(self) -> None:
+        global _generation
+        _generation += 1  # every allocator resyncs its tables at its next call (sync_forest)
+        super().install()
 
 
 def takes_parent_hashes() -> bool:
