@@ -173,3 +173,17 @@ def test_soak_update_every_with_keep_has_stale_hits(keep, mcore_series):
     assert sum(not d.identical for d in policy.diffs) == expected["keep_differ"]
     assert [u.invalidation for u in policy.run.updates] == ["kept", "kept"]
     assert result.exit_code() == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["offload", "recompute"])
+def test_rl_weight_update_runs_with_each_cpu_kv_cache_management_mode(mode):
+    """suspend()/resume() with the other modes on the CPU backend (persist: the shipped case)."""
+    case = load_case("rl_weight_update")
+    updates = case.weight_updates.model_copy(update={"kv_cache_management_mode": mode})
+    result = run_ab(case.model_copy(update={"weight_updates": updates, "prefix_caching_eviction_policies": ["lru"]}),
+                    patched=True)
+    assert result.failures() == []
+    assert result.total("stale_hits") == 0
+    assert [(u.step, u.in_flight, u.invalidation) for u in result.policies[0].run.updates] == [
+        (16, [0], "resume"), (34, [], "resume")]
