@@ -10,7 +10,7 @@ import pytest
 
 from megatron_ext import cli
 from megatron_ext.harness import ab
-from megatron_ext.harness.cases import CaseFileError, load_case, parse_case, plan_requests
+from megatron_ext.harness.cases import CaseFileError, dump_case, load_case, parse_case, plan_requests
 from megatron_ext.harness.soak import soak_case, with_weight_updates
 from megatron_ext.harness.tokenizer import default_tokenizer
 
@@ -161,6 +161,8 @@ def test_soak_update_every_splits_the_same_workload_into_rounds():
     assert sorted((p.arrival_step, p.prompt_tokens) for p in a) == sorted((p.arrival_step, p.prompt_tokens) for p in b)
     assert all(p.arrival_step // 15 == p.round for p in b)
     assert rounds.name == "soak-60-seed0-update-every-15"
+    assert rounds.expectations.update_timing == "exclude" and plain.expectations.update_timing == "fail"
+    assert parse_case(dump_case(rounds)) == rounds  # soak --dump-case reruns with ab --case
     with pytest.raises(ValueError, match="--update-every must be >= 1, got 0"):
         with_weight_updates(plain.requests, 0, 0)
 

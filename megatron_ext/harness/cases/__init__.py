@@ -443,8 +443,12 @@ def load_case(name_or_path: str) -> Case:
 
 
 def dump_case(case: Case) -> str:
-    """A case as case-file YAML; :func:`parse_case` of it gives an equal case."""
-    return yaml.safe_dump(case.model_dump(), sort_keys=False, width=200)
+    """A case as case-file YAML; :func:`parse_case` of it gives an equal case. ``weight_updates``
+    keeps only the fields its author set (the schema refuses fields of another update kind)."""
+    data = case.model_dump()
+    if case.weight_updates is not None:
+        data["weight_updates"] = case.weight_updates.model_dump(exclude_unset=True)
+    return yaml.safe_dump(data, sort_keys=False, width=200)
 
 
 def parse_case(text: str, source: str = "<string>") -> Case:
