@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from .. import mcore
-from ..errors import MegatronExtError
 from .audits import AuditSummary, ContextAudit, PoolPressure, PrefixCacheCounters
 from .cases import Case, PlannedRequest, validate_planned
+from .checkpoint import CheckpointError
 from .compare import RequestOutput
 from .rounds import make_update
-from .weight_updates import WeightUpdater
+from .weight_updates import WeightUpdateError, WeightUpdater
 
 #: A run that has not drained after this many engine steps per request is declared stuck.
 MAX_STEPS_PER_REQUEST = 200
@@ -202,7 +202,9 @@ def drive(
         WorkloadError: a zero-token prompt or a repeated request ID in ``planned`` (checked before
             the engine or context is touched).
         EngineStuckError: more than ``MAX_STEPS_PER_REQUEST * len(planned)`` steps.
-        MegatronExtError: a weight update the harness cannot make (e.g. WeightUpdateError).
+        WeightUpdateError, CheckpointError: a weight update the harness cannot make. Any other
+            exception raised while stepping (megatron-core's, or a patch's inside it, such as
+            ``PrefixForestError``) is recorded in ``record.error``.
     """
     validate_planned(planned)
     audit = ContextAudit(context, check_ref_counts=context.enable_prefix_caching).attach()
@@ -234,9 +236,9 @@ def drive(
         step_until_done(engine, case, planned, added, stepped, ticked, update_at_steps=at_steps, on_update=update)
         if context.enable_prefix_caching:
             audit.drain()
-    except (EngineStuckError, MegatronExtError):
-        raise
-    except Exception as exc:  # megatron-core failed mid-run: report it with the step
+    except (EngineStuckError, WeightUpdateError, CheckpointError):
+        raise  # the harness cannot go on (bad input for an update): not a megatron-core failure
+    except Exception as exc:  # megatron-core (or a patch inside it) failed mid-run: report it with the step
         record.error = f"step {record.steps}: {describe_exception(exc)}"
         audit.end_failed_step()
     finally:
