@@ -75,3 +75,18 @@ def test_rank_failures_name_each_failing_rank_and_disagreement():
     line = describe_layout(ranks)
     assert "TP=2 PP=2 on 4 ranks" in line and "identical on all ranks: NO" in line
     assert "ranks failing: 1, 2, 3" in line
+
+
+@pytest.mark.multirank
+def test_weight_update_through_invalidate_prefix_cache_pp2(tmp_path, torchrun):
+    """Fault 8 on two pipeline stages: each rank perturbs its own layers and flushes its own
+    context at the same step (the harness calls ``invalidate_prefix_cache`` on every rank), so the
+    ranks' block tables stay equal and caching on vs off stays bit-identical, with 0 stale hits."""
+    from functional_tests.test_weight_updates import PERTURB
+
+    case = tmp_path / "perturb_invalidate.yaml"
+    case.write_text(PERTURB)
+    code, output, result = torchrun.ab(tmp_path, tp=1, pp=2, case=str(case))
+    torchrun.assert_clean(1, 2, code, output, result)
+    assert result["stale_hits"] == 0
+    assert [p["run"]["updates"][0]["invalidation"] for p in result["policies"]] == ["invalidated"] * 2

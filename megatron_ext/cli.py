@@ -114,13 +114,23 @@ def cmd_ab(args: argparse.Namespace) -> int:
         from .harness.checkpoint import resolve_checkpoint
 
         checkpoint = resolve_checkpoint(args.load)
+    update_from = []
+    if args.update_from:  # bad paths (or a case without checkpoint updates) fail before any engine
+        from .harness.ab import update_checkpoints
+        from .harness.checkpoint import CheckpointError, resolve_checkpoint
+
+        try:
+            sources = [resolve_checkpoint(path) for path in args.update_from]
+        except CheckpointError as exc:  # its message names --load, the flag it usually checks
+            raise CheckpointError(str(exc).replace("--load ", "--update-from ", 1)) from None
+        update_from = update_checkpoints(case, sources)
     log = _library_log(args, "ab")
     try:
         with library_output(log) as output, _progress(args, case.name, output, rank) as progress:
             result = run_ab(case, patched=not args.unpatched, device=args.device,
                             on_step=progress.on_step, on_run=progress.on_run,
                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            load=checkpoint, tokenizer=tokenizer)
+                            load=checkpoint, tokenizer=tokenizer, update_from=update_from)
     except BaseException as exc:  # noqa: BLE001 - keep the log; multi-rank: name the rank, exit non-zero
         if world_size == 1 or not isinstance(exc, Exception) or isinstance(exc, MegatronExtError):
             _keep_log_after_error(log, args.keep_log)
@@ -311,7 +321,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     policies = list(dict.fromkeys(args.policy or ("ref_zero", "lru")))  # a repeated --policy runs once
     tokenizer = _tokenizer(args)
     case = soak_case(args.requests, args.seed, policies,
-                     chunked_prefill=not args.no_chunked_prefill)
+                     chunked_prefill=not args.no_chunked_prefill, update_every=args.update_every)
     if tokenizer is not None and tokenizer.vocab_size > case.model.vocab_size:
         # The soak model has no case file to edit: it grows to the tokenizer's IDs (random weights
         # either way), said on a line, so the dumped case reruns with 'ab --case ... --tokenizer'.
@@ -479,6 +489,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "A case without a model section builds the model from the checkpoint's Megatron-LM "
                       "args (as Megatron's --use-checkpoint-args); arguments it cannot build exit 2. "
                       "Any TP/PP layout loads any other (dist-checkpointing reshards)")
+    p_ab.add_argument("--update-from", metavar="DIR", action="append",
+                      help="for a case with weight_updates of kind checkpoint: the checkpoint (same forms as "
+                      "--load) loaded into the model at each weight update; once for every update, or "
+                      "repeated once per update (in place of the case's weight_updates.checkpoints)")
     p_ab.add_argument("--prompts", metavar="FILE",
                       help="run these prompts instead of the case's requests: JSON Lines (.jsonl: "
                       "{\"prompt\", \"samples\", \"num_tokens_to_generate\", \"arrival_step\"}, only "
@@ -533,6 +547,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="eviction policy for B, repeatable (default: ref_zero and lru)")
     p_soak.add_argument("--no-chunked-prefill", action="store_true",
                         help="chunked prefill off (max_tokens raised to 256 so every prompt fits a step)")
+    p_soak.add_argument("--update-every", type=_positive_int, default=None, metavar="N",
+                        help="a weight update every N engine steps: seeded noise added to every parameter, "
+                        "then megatron_ext.invalidate_prefix_cache(engine) (requests arriving after an "
+                        "update belong to the next round; the stale-hit audit counts matches of older KV)")
     p_soak.add_argument("--unpatched", action="store_true",
                         help="run megatron-core as released, without megatron-ext's runtime patches")
     _add_tokenizer_arguments(p_soak, "the generated prompts", "their lengths are then in characters, not "

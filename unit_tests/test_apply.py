@@ -17,6 +17,7 @@ from megatron_ext.errors import PatchRefusedError
 from megatron_ext.patches import ALL_PATCHES
 from megatron_ext.patches.matched_block_writes import ADD_REQUEST, COMPUTE_PREFIX_MATCH
 from megatron_ext.patches.release_refcount import RELEASE
+from megatron_ext.patches.weight_update_invalidation import FIND_MATCH
 from megatron_ext.patches.lru_leaf_first_eviction import EVICT
 from megatron_ext.patches.lru_register_once import REGISTER
 from megatron_ext.patches.lru_resume_evictable import RESUME
@@ -47,9 +48,9 @@ PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME],
                    "0.18": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME],
                    "0.19": [ADD_REQUEST, REGISTER, RESUME]}
 #: The wrappers on add_request, outermost first (installed in ALL_PATCHES order).
-ADD_REQUEST_STACK = {"0.17": ["weight-update-invalidation", "matched-block-writes", "lru-pin-before-allocate"],
-                     "0.18": ["weight-update-invalidation", "matched-block-writes", "lru-pin-before-allocate"],
-                     "0.19": ["weight-update-invalidation", "matched-block-writes"]}
+ADD_REQUEST_STACK = {"0.17": ["matched-block-writes", "lru-pin-before-allocate"],
+                     "0.18": ["matched-block-writes", "lru-pin-before-allocate"],
+                     "0.19": ["matched-block-writes"]}
 
 
 @pytest.fixture(autouse=True)
@@ -220,7 +221,7 @@ def test_strict_apply_does_not_raise_for_a_refused_patch_that_skip_leaves_out(ch
             PatchState.NOT_APPLIED, "skipped by MEGATRON_EXT_SKIP")
     assert PatchState.REFUSED not in {r.state for r in results}
     assert "matched-block-writes" not in installed_patches(ADD_REQUEST)
-    assert installed_patches(ADD_REQUEST)[0] == "weight-update-invalidation"  # the others were applied
+    assert installed_patches(FIND_MATCH) == ["weight-update-invalidation"]  # the others were applied
     monkeypatch.setenv("MEGATRON_EXT_SKIP", "lru-resume-evictable")  # skipping another one: still refused
     megatron_ext.revert()
     with pytest.raises(PatchRefusedError, match="_compute_prefix_match"):
@@ -292,7 +293,7 @@ CHECK_WRAPPED = (  # the outermost wrapper of add_request (the last patch instal
 def test_environment_variable_applies_at_import_with_no_code_change():
     done = run_python(CHECK_WRAPPED, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "weight-update-invalidation"
+    assert done.stdout.strip() == "matched-block-writes"
     assert "megatron-ext: matched-block-writes: applied" in done.stderr
     untouched = run_python(CHECK_WRAPPED)
     assert untouched.stdout.strip() == "None"
@@ -307,7 +308,7 @@ def test_environment_variable_applies_the_engine_patch_once_the_engine_is_import
             + "; print(getattr(E.__dict__['post_process_requests'], '_self_megatron_ext_patch', None))")
     done = run_python(code, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["weight-update-invalidation", "top-n-prefill-chunks"]
+    assert done.stdout.split() == ["matched-block-writes", "top-n-prefill-chunks"]
     lines = [line for line in done.stderr.splitlines() if line.startswith("megatron-ext: ")]
     assert len(lines) == len(ALL_PATCHES) + 1  # each patch once, the engine's twice
     assert lines[-2].startswith("megatron-ext: top-n-prefill-chunks: not applied (megatron-core is being")
@@ -338,7 +339,7 @@ def test_environment_variable_applies_at_once_when_megatron_core_was_imported_fi
     done = run_python(f"import {DYNAMIC_CONTEXT}, os; os.environ['MEGATRON_EXT_AUTO'] = '1'; "
                       "import megatron_ext._startup; " + CHECK_WRAPPED)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "weight-update-invalidation"
+    assert done.stdout.strip() == "matched-block-writes"
     assert done.stderr.count(APPLIED_LINE) == 1
 
 
@@ -357,7 +358,7 @@ def test_environment_variable_applies_once_with_threads_importing_together():
     )
     done = run_python(code, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(["weight-update-invalidation"] * 4)  # each thread got it patched
+    assert done.stdout.strip() == str(["matched-block-writes"] * 4)  # each thread got it patched
     assert done.stderr.count(APPLIED_LINE) == 1  # applied once
 
 
@@ -369,7 +370,7 @@ def test_environment_variable_under_reload_applies_once_and_apply_covers_the_rel
             "import megatron_ext; megatron_ext.apply()\n" + CHECK_WRAPPED + "\n")
     done = run_python(code, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["weight-update-invalidation", "None", "weight-update-invalidation"]
+    assert done.stdout.split() == ["matched-block-writes", "None", "matched-block-writes"]
     assert done.stderr.count(APPLIED_LINE) == 1
 
 
@@ -401,7 +402,7 @@ def test_lazy_attributes_are_the_real_objects():
 def test_import_auto_applies():
     done = run_python("import megatron_ext.auto; " + CHECK_WRAPPED)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "weight-update-invalidation"
+    assert done.stdout.strip() == "matched-block-writes"
     assert "megatron-ext: matched-block-writes: applied" in done.stderr
 
 

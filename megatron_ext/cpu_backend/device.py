@@ -234,6 +234,14 @@ def _device_properties(device: Any = None) -> SimpleNamespace:
     )
 
 
+def _memory_stats(device: Any = None) -> dict[str, int]:
+    """``torch.cuda.memory_stats`` on the CPU: no device memory. The engine's ``suspend()`` /
+    ``resume()`` (0.17-0.19, ``suspend_resume_ctx``) read ``allocated_bytes.all.current`` and
+    ``reserved_bytes.all.current`` from it."""
+    return {"allocated_bytes.all.current": 0, "reserved_bytes.all.current": 0,
+            "allocated_bytes.all.peak": 0, "reserved_bytes.all.peak": 0}
+
+
 def _cuda_standins(rng: _CudaRng) -> dict[str, Any]:
     """Name -> stand-in for the ``torch.cuda`` (and ``torch.cuda.random``) functions replaced.
 
@@ -258,7 +266,7 @@ def _cuda_standins(rng: _CudaRng) -> dict[str, Any]:
         "get_device_properties": _device_properties,
         "get_device_capability": lambda device=None: (0, 0),
         "get_device_name": lambda device=None: "cpu",
-        "memory_stats": lambda device=None: {},
+        "memory_stats": _memory_stats,
         "memory_allocated": lambda device=None: 0,
         "max_memory_allocated": lambda device=None: 0,
         "memory_reserved": lambda device=None: 0,

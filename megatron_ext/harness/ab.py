@@ -12,7 +12,7 @@ import hashlib
 import struct
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from .. import mcore
 from ..api import apply, revert
@@ -23,9 +23,11 @@ from .checkpoint import CheckpointSource, PathLike, load_checkpoint, resolve_che
 from .checkpoint_args import check_case_model_matches_args, checkpoint_model_spec
 from .compare import RequestDiff, RequestOutput, compare_runs, top_n_miscounted
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
+from .rounds import left_out, update_mismatches
 from .engine import build_engine, build_model, ensure_model_parallel
 from .step_loop import RunRecord, drive
 from .tokenizer import Tokenizer, check_vocab_fits, default_tokenizer
+from .weight_updates import WeightSnapshot, WeightUpdateError, WeightUpdater
 
 #: Audit violation kinds of the LRU faults 3-5, and what a count of them means in a verdict.
 LRU_FAULT_VIOLATIONS = {
@@ -75,6 +77,8 @@ class ABResult:
     model_from_checkpoint_args: bool = False
     #: the tokenizer that planned the prompts and detokenized outputs; None: not recorded
     tokenizer: Optional[Tokenizer] = None
+    #: ``checkpoint`` weight updates: the checkpoints loaded at the updates (one for all, or one each)
+    update_checkpoints: list[CheckpointSource] = field(default_factory=list)
 
     def weights(self) -> dict[str, Any]:
         """Where the weights came from: ``{"source": "checkpoint", "requested", "path",
@@ -130,6 +134,11 @@ class ABResult:
                         for run in self.runs)
             if count:
                 problems.append(f"{FAULT_OF_KIND[kind]}: {count} {what}")
+        if self.total("stale_hits"):
+            problems.append(
+                f"{FAULT_OF_KIND['stale_hit']}: {self.total('stale_hits')} stale hits: requests admitted after a "
+                "weight update matched KV blocks cached under older weights")
+        problems.extend(self._update_mismatches())
         for run in self.runs:
             if run.error:
                 problems.append(f"megatron-core raised in run {run.eviction_policy or 'caching off'} at {run.error}")
@@ -140,8 +149,9 @@ class ABResult:
                                 f"generated token: {', '.join(miscounted[:6])}")
         expect = self.case.expectations
         for p in self.policies:
-            if expect.bit_identical and not p.bit_identical:
-                bad = [d.label for d in p.diffs if not d.identical]
+            left_out = set(self.left_out(p))
+            if expect.bit_identical and any(not d.identical and d.request_id not in left_out for d in p.diffs):
+                bad = [d.label for d in p.diffs if not d.identical and d.request_id not in left_out]
                 never_ran = sum(1 for d in p.diffs if not d.identical and not p.run.outputs[d.request_id].tokens)
                 why = f" ({never_ran} never ran: the run ended early)" if p.run.error and never_ran else ""
                 problems.append(f"{p.policy}: {len(bad)} requests differ with caching on vs off{why}: "
@@ -153,6 +163,13 @@ class ABResult:
                 problems.append(f"{p.policy}: only {p.run.counters.prefill_tokens_skipped} prefill "
                                 f"tokens skipped, case expects >= {expect.min_prefill_tokens_skipped}")
         return problems
+
+    def _update_mismatches(self) -> list[str]:
+        return update_mismatches(self.case, self.baseline, [(p.policy, p.run) for p in self.policies])
+
+    def left_out(self, policy: PolicyResult) -> list[int]:
+        """Request IDs left out of ``policy``'s bit-identity check (:func:`~megatron_ext.harness.rounds.left_out`)."""
+        return left_out(self.case, self.baseline, policy.run)
 
     def exit_code(self) -> int:
         if not self.invariance[0] or not all(r["batch_invariance_ok"] for r in self.ranks):
@@ -170,6 +187,11 @@ class ABResult:
             "kv_write_violations": self.total("kv_write_violations"),
             "refcount_violations": self.total("refcount_violations"),
             "lru_violations": self.total("lru_violations"),
+            "stale_hits": self.total("stale_hits"),
+            "weight_updates": (None if self.case.weight_updates is None else
+                               {**self.case.weight_updates.model_dump(), "rounds": self.case.weight_updates.rounds,
+                                "checkpoints": [c.path for c in self.update_checkpoints]
+                                or self.case.weight_updates.checkpoints}),
             "prefill_tokens_skipped": sum(p.run.counters.prefill_tokens_skipped for p in self.policies),
             "blocks_matched": sum(p.run.counters.blocks_matched for p in self.policies),
             "megatron_core_version": self.megatron_core_version,
@@ -186,6 +208,7 @@ class ABResult:
             "baseline": _run_json(self.baseline),
             "policies": [
                 {"eviction_policy": p.policy, "bit_identical": p.bit_identical, "run": _run_json(p.run),
+                 "left_out_of_bit_identity": [self.baseline.outputs[rid].label for rid in self.left_out(p)],
                  "requests": [d.as_dict() for d in p.diffs]}
                 for p in self.policies
             ],
@@ -195,7 +218,8 @@ class ABResult:
 
 def _request_json(request: PlannedRequest) -> dict[str, Any]:
     tokens = struct.pack(f"<{len(request.prompt_tokens)}q", *request.prompt_tokens)
-    return {"request_id": request.request_id, "label": request.label,
+    return {"request_id": request.request_id, "label": request.label, "round": request.round,
+            "arrival_step": request.arrival_step,
             "prompt_length": len(request.prompt_tokens), "prompt_sha256": hashlib.sha256(tokens).hexdigest()}
 
 
@@ -209,6 +233,7 @@ def _run_json(run: RunRecord) -> dict[str, Any]:
         "counters": asdict(run.counters),
         "pressure": asdict(run.pressure),
         "audit": asdict(run.audit),
+        "updates": [asdict(u) for u in run.updates],
         "outputs": {rid: _output_json(o) for rid, o in run.outputs.items()},
     }
 
@@ -265,6 +290,7 @@ def run_ab(
     load: Union[PathLike, CheckpointSource, None] = None,
     on_run: Optional[Callable[[RunRecord], None]] = None,
     tokenizer: Optional[Tokenizer] = None,
+    update_from: Sequence[Union[PathLike, CheckpointSource]] = (),
 ) -> ABResult:
     """Run A (caching off) and B (caching on, per policy) and compare.
 
@@ -286,8 +312,19 @@ def run_ab(
         tokenizer: tokenizes the prompts and detokenizes the outputs
             (:func:`megatron_ext.harness.tokenizer.load_tokenizer`); None: megatron-core's byte-level
             tokenizer as the shipped cases use it.
+        update_from: checkpoints loaded at the weight updates of a case whose ``weight_updates``
+            kind is ``checkpoint`` (``ab --update-from DIR``; in place of the case's
+            ``weight_updates.checkpoints``): one for every update, or one per update. Each is
+            loaded once before any run, so a checkpoint that does not fit the model is refused
+            before any engine runs.
+
+    With ``weight_updates`` every run (A and each B) starts from the same weights (a copy taken
+    before the first run is restored before each) and makes the same updates at the same steps.
 
     Raises:
+        WeightUpdateError: ``update_from`` without a ``checkpoint`` update, a ``checkpoint`` update
+            without checkpoints, or a count that fits neither; a ``train_step`` update with
+            pipeline parallelism.
         MegatronCoreNotFoundError, CaseFileError (prompt too long or empty), TokenizerError (the
         tokenizer's vocabulary exceeds the model's ``vocab_size``), WorkloadError (see
         :func:`megatron_ext.harness.cases.validate_planned`), CheckpointError (``load``: missing, not a
@@ -306,19 +343,26 @@ def run_ab(
     check_top_n_fits(case)
     planned = plan_requests(case, tokenizer)
     validate_planned(planned)  # bad input is refused before anything is built
+    at_updates = update_checkpoints(case, update_from)
+    if case.weight_updates is not None and case.weight_updates.kind == "train_step" and pipeline_model_parallel_size > 1:
+        raise WeightUpdateError(f"case '{case.name}': weight_updates kind train_step under pipeline parallelism needs "
+                                "megatron-core's pipeline schedule, which ab does not drive; use kind perturb or "
+                                "checkpoint with --pipeline-model-parallel-size > 1")
     patch_results = apply() if patched else revert()
     patches = [r.as_dict() for r in patch_results]
     with backend(device) as invariance:
         ensure_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
         model = build_model(case)
         checkpoint = None if load is None else load_checkpoint(model, load, case.name)
-        baseline = _one_run(model, case, planned, False, case.prefix_caching_eviction_policies[0], on_step,
-                            on_run, tokenizer)
+        snapshot = _initial_weights(model, case, at_updates)
+        runs = _Runs(model, case, planned, on_step, on_run, tokenizer, snapshot, at_updates)
+        baseline = runs.one(False, case.prefix_caching_eviction_policies[0])
         result = ABResult(case, mcore.installed_version(), device, patches, invariance, baseline,
                           checkpoint=checkpoint, requests=[_request_json(r) for r in planned],
-                          model_from_checkpoint_args=from_args, tokenizer=tokenizer)
+                          model_from_checkpoint_args=from_args, tokenizer=tokenizer,
+                          update_checkpoints=at_updates)
         for policy in case.prefix_caching_eviction_policies:
-            run = _one_run(model, case, planned, True, policy, on_step, on_run, tokenizer)
+            run = runs.one(True, policy)
             result.policies.append(PolicyResult(policy, run, compare_runs(baseline.outputs, run.outputs)))
     result.ranks = gather_ranks(result)
     result.wall_s = time.perf_counter() - started
@@ -343,12 +387,75 @@ def _case_for_checkpoint(case: Case, source: CheckpointSource) -> Case:
     return case.model_copy(update={"model": spec})
 
 
-def _one_run(model, case, planned, prefix_caching, policy, on_step, on_run, tokenizer) -> RunRecord:
+def update_checkpoints(case: Case, update_from: Sequence[Union[PathLike, CheckpointSource]]) -> list[CheckpointSource]:
+    """The checkpoints of ``checkpoint`` weight updates (``update_from``, else the case's), resolved.
+
+    Raises:
+        WeightUpdateError: checkpoints given but the case makes no ``checkpoint`` update, or a
+            ``checkpoint`` update has none.
+        CheckpointError: a path that is no checkpoint.
+    """
+    spec = case.weight_updates
+    if spec is None or spec.kind != "checkpoint":
+        if update_from:
+            raise WeightUpdateError(
+                f"--update-from loads a checkpoint at each weight update, but case '{case.name}' has "
+                + ("no weight_updates section" if spec is None else f"weight_updates of kind {spec.kind}")
+                + "; use a case with weight_updates: {kind: checkpoint, ...}")
+        return []
+    paths = list(update_from) or list(spec.checkpoints)
+    if not paths:
+        raise WeightUpdateError(f"case '{case.name}': weight_updates kind checkpoint needs the checkpoints to load; "
+                                "pass --update-from DIR or list them under weight_updates.checkpoints")
+    if len(paths) not in (1, len(spec.update_at_steps)):
+        raise WeightUpdateError(f"case '{case.name}': {len(paths)} update checkpoints for "
+                                f"{len(spec.update_at_steps)} weight updates; give one (loaded at every update) "
+                                "or one per update")
+    return [p if isinstance(p, CheckpointSource) else resolve_checkpoint(p) for p in paths]
+
+
+def _initial_weights(model: Any, case: Case, update_checkpoints: list[CheckpointSource]) -> Optional[WeightSnapshot]:
+    """A copy of the weights every run starts from (None without weight updates). Each update
+    checkpoint is loaded once first (and the weights restored), so one that does not fit the
+    model is refused (CheckpointError) before any engine runs."""
+    if case.weight_updates is None:
+        return None
+    snapshot = WeightSnapshot(model)
+    for source in update_checkpoints:
+        load_checkpoint(model, source, case.name)
+        snapshot.restore(model)
+    return snapshot
+
+
+@dataclass
+class _Runs:
+    """What every run of one ``run_ab`` shares; :meth:`one` makes one run."""
+
+    model: Any
+    case: Case
+    planned: list[PlannedRequest]
+    on_step: Optional[Callable[[int], None]]
+    on_run: Optional[Callable[[RunRecord], None]]
+    tokenizer: Tokenizer
+    snapshot: Optional[WeightSnapshot]
+    update_checkpoints: list[CheckpointSource]
+
+    def one(self, prefix_caching: bool, policy: str) -> RunRecord:
+        """One run (caching on with ``policy``, or off), from the initial weights."""
+        updater = None
+        if self.snapshot is not None:
+            self.snapshot.restore(self.model)
+            updater = WeightUpdater(self.model, self.case.weight_updates, self.planned, self.update_checkpoints)
+        return _one_run(self.model, self.case, self.planned, prefix_caching, policy, self.on_step, self.on_run,
+                        self.tokenizer, updater)
+
+
+def _one_run(model, case, planned, prefix_caching, policy, on_step, on_run, tokenizer, updater=None) -> RunRecord:
     started = time.perf_counter()
     engine, context = build_engine(model, case, prefix_caching, policy, tokenizer)
     record = RunRecord(prefix_caching, policy if prefix_caching else None)
     record.total_blocks = int(context.kv_block_allocator.total_count)
-    drive(engine, context, case, planned, record, on_step)
+    drive(engine, context, case, planned, record, on_step, updater)
     if record.error and is_multi_rank():  # this rank left the lockstep: it cannot go on
         raise rank_failed(policy if prefix_caching else "caching off", record.error)
     for request in planned:  # a run that megatron-core ended early: requests never added produced nothing

@@ -146,10 +146,16 @@ def build_model(case: Case) -> Any:
 
 
 def inference_config(case: Case, prefix_caching: bool, eviction_policy: str) -> Any:
-    """megatron-core ``InferenceConfig`` from the case's ``inference`` section."""
+    """megatron-core ``InferenceConfig`` from the case's ``inference`` section (and, for weight
+    updates wrapped in ``suspend()`` / ``resume()``, its ``kv_cache_management_mode``)."""
     module = mcore.import_module("megatron.core.inference.config")
+    updates = case.weight_updates
+    optional = {}
+    if updates is not None and updates.suspend_resume:
+        optional["kv_cache_management_mode"] = getattr(module.KVCacheManagementMode,
+                                                       updates.kv_cache_management_mode.upper())
     return module.InferenceConfig(
-        **case.inference.model_dump(),
+        **case.inference.model_dump(), **optional,
         enable_prefix_caching=prefix_caching,
         prefix_caching_eviction_policy=getattr(module.PrefixCachingEvictionPolicy, eviction_policy.upper()),
     )

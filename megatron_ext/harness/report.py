@@ -46,14 +46,16 @@ def diff_table(title: str, diffs: Sequence[RequestDiff], only_divergent: bool = 
 
 
 def summary_table(result: ABResult) -> Table:
-    """Per run: steps, time, prefix-cache counters, audit results."""
+    """Per run: steps, time, prefix-cache counters, audit results (stale hits with weight updates)."""
     table = Table(title="runs, prefix-cache counters and audits")
+    updates = result.case.weight_updates is not None
     for column in ("run", "steps", "seconds", "cache hits", "blocks matched", "prefill tokens skipped",
                    "prefill tokens computed", "KV writes checked", "KV write violations",
-                   "ref-count violations", "LRU violations"):
+                   "ref-count violations", "LRU violations", *(("stale hits",) * updates)):
         table.add_column(column, justify="right" if column != "run" else "left")
     for run in result.runs:
         counters, audit = run.counters, run.audit
+        stale = (_count(audit.stale_hits) if run.prefix_caching else "n/a",) * updates
         table.add_row(
             run.label, str(run.steps), f"{run.wall_s:.1f}",
             *(str(n) for n in (counters.cache_hits, counters.blocks_matched, counters.prefill_tokens_skipped,
@@ -62,8 +64,40 @@ def summary_table(result: ABResult) -> Table:
             _count(audit.kv_write_violations),
             _count(audit.refcount_violations) if run.prefix_caching else "n/a",
             _count(audit.lru_violations) if run.prefix_caching else "n/a",
+            *stale,
         )
     return table
+
+
+def updates_table(result: ABResult) -> Table:
+    """Per run and weight update: the step, what was updated, requests in flight across it, the
+    training batch and loss, whether the weights equal caching off's after it, and what happened
+    to the prefix cache (see :class:`~megatron_ext.harness.weight_updates.UpdateRecord`)."""
+    spec = result.case.weight_updates
+    how = (f"suspend/resume ({spec.kv_cache_management_mode})" if spec.suspend_resume
+           else "invalidate_prefix_cache")
+    table = Table(title=f"weight updates: {spec.rounds} rounds, {spec.kind} at steps "
+                        f"{', '.join(map(str, spec.update_at_steps))}, {how}")
+    for column in ("run", "update", "step", "in flight", "trained on", "loss", "weights = A's", "prefix cache"):
+        table.add_column(column, justify="right" if column != "run" else "left")
+    digests = {u.index: u.weights_sha256 for u in result.baseline.updates}
+    for run in result.runs:
+        for u in run.updates:
+            table.add_row(run.label, str(u.index), str(u.step), _ids(u.in_flight),
+                          _ids(u.trained_on) if spec.kind == "train_step" else "-",
+                          "-" if u.loss is None else f"{u.loss:.4f}",
+                          _yes_no(digests.get(u.index) == u.weights_sha256), _invalidation(u))
+    return table
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return f"{len(ids)}: {', '.join(map(str, ids[:6]))}{', ...' if len(ids) > 6 else ''}" if ids else "0"
+
+
+def _invalidation(update) -> str:
+    if update.blocks_unreachable is None:
+        return update.invalidation
+    return f"{update.invalidation}: {update.blocks_unreachable} unreachable, {update.blocks_freed} freed"
 
 
 def pressure_table(result: ABResult) -> Table:
@@ -103,11 +137,21 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
         if not (only_divergent and policy.bit_identical):
             console.print(request_table(result, policy, only_divergent))
     console.print(summary_table(result))
+    if result.case.weight_updates is not None:
+        console.print(updates_table(result))
     console.print(pressure_table(result))
     for run in result.runs:
         for kind, lines in run.audit.examples.items():
             for line in lines:
                 console.print(f"  [red]{kind}[/] ({run.eviction_policy or 'caching off'}): {line}")
+    for policy in result.policies:
+        left_out = result.left_out(policy)
+        if left_out:
+            labels = ", ".join(result.baseline.outputs[rid].label for rid in left_out[:8])
+            console.print(f"{policy.policy}: {len(left_out)} requests left out of the bit-identity check: a weight "
+                          f"update reached them at another token than with caching off (expectations.update_timing: "
+                          f"exclude): {labels}{', ...' if len(left_out) > 8 else ''}",
+                          markup=False, highlight=False, soft_wrap=True)
     for note in notes:
         console.print(note, markup=False, highlight=False, soft_wrap=True)
     failures = result.failures()
@@ -117,7 +161,11 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
             console.print(f"  - {failure}", markup=False, soft_wrap=True)
     else:
         weights = "" if result.checkpoint is None else f" (weights from {result.checkpoint.path})"
-        console.print(f"[bold green]PASS[/]: {len(result.baseline.outputs)} requests bit-identical with "
+        total = len(result.baseline.outputs)
+        left_out = max((len(result.left_out(p)) for p in result.policies), default=0)
+        counted = f"{total} requests" if not left_out else (
+            f"{total - left_out} of {total} requests ({left_out} left out: updated at another token)")
+        console.print(f"[bold green]PASS[/]: {counted} bit-identical with "
                       f"prefix caching on and off{weights}; every audit holds ({result.wall_s:.1f} s)",
                       soft_wrap=True)
 

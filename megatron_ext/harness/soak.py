@@ -23,11 +23,12 @@ word list (the byte tokenizer maps one character to one token).
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from pydantic import ValidationError
 
-from .cases import Case, CaseFileError, Expectations, InferenceSpec, ModelSpec, RequestSpec, describe_validation_error
+from .cases import (Case, CaseFileError, Expectations, InferenceSpec, ModelSpec, RequestSpec, WeightUpdateSpec,
+                    describe_validation_error, turn_prompts)
 
 if TYPE_CHECKING:
     from .ab import ABResult
@@ -91,6 +92,7 @@ def soak_case(
     seed: int = 0,
     policies: Sequence[str] = ("ref_zero", "lru"),
     chunked_prefill: bool = True,
+    update_every: Optional[int] = None,
 ) -> Case:
     """A reproducible soak workload of exactly ``requests`` engine requests.
 
@@ -143,19 +145,58 @@ def soak_case(
         arrival += rng.expovariate(1.0 / MEAN_ARRIVAL_GAP_STEPS)
     inference = SOAK_INFERENCE if chunked_prefill else SOAK_INFERENCE.model_copy(
         update={"enable_chunked_prefill": False, "max_tokens": 256})
+    updates = None
+    if update_every is not None:
+        specs, updates = with_weight_updates(specs, update_every, seed)
     try:
         return Case(
-            name=f"soak-{requests}-seed{seed}" + ("" if chunked_prefill else "-unchunked"),
+            name=f"soak-{requests}-seed{seed}" + ("" if chunked_prefill else "-unchunked")
+            + ("" if update_every is None else f"-update-every-{update_every}"),
+            weight_updates=updates,
             description=f"Generated soak workload: {requests} requests (RL rollouts, multi-turn "
                         f"conversations, shared system prompts), seed {seed}, 48-block KV pool.",
             model=SOAK_MODEL,
             inference=inference,
             prefix_caching_eviction_policies=list(policies),
             requests=specs,
-            expectations=Expectations(bit_identical=True, min_blocks_matched=1, min_prefill_tokens_skipped=1),
+            expectations=Expectations(bit_identical=True, min_blocks_matched=1, min_prefill_tokens_skipped=1,
+                                      update_timing="fail" if update_every is None else "exclude"),
         )
     except ValidationError as exc:
         raise CaseFileError(f"soak: {describe_validation_error(exc)}") from None
+
+
+#: Standard deviation of the noise of a ``soak --update-every`` weight update.
+UPDATE_PERTURB_SCALE = 0.01
+
+
+def with_weight_updates(specs: list[RequestSpec], every: int, seed: int
+                        ) -> tuple[list[RequestSpec], Optional[WeightUpdateSpec]]:
+    """``specs`` split into rounds of ``every`` engine steps, with a ``perturb`` update (then
+    ``invalidate_prefix_cache``) at each round boundary up to the last arrival.
+
+    A request arriving at step ``a`` is in round ``a // every`` at ``a % every`` from its start.
+    A conversation becomes one request per turn (same prompts and arrival steps; labels
+    ``rN.s0``), since its later turns may fall in later rounds.
+
+    Raises:
+        ValueError: ``every`` < 1.
+    """
+    if every < 1:
+        raise ValueError(f"soak: --update-every must be >= 1, got {every}")
+    out: list[RequestSpec] = []
+    for spec in specs:
+        for turn, text in enumerate(turn_prompts(spec)):
+            arrival = spec.arrival_step + turn * spec.turn_interval
+            out.append(RequestSpec(prefix=spec.prefix, prompt=text, samples=spec.samples,
+                                   round=arrival // every, arrival_step=arrival % every,
+                                   num_tokens_to_generate=spec.num_tokens_to_generate))
+    last_round = max(spec.round for spec in out)
+    if last_round == 0:
+        return out, None
+    steps = [every * k for k in range(1, last_round + 1)]
+    return out, WeightUpdateSpec(kind="perturb", update_at_steps=steps, perturb_scale=UPDATE_PERTURB_SCALE,
+                                 seed=seed)
 
 
 def soak_summary(result: "ABResult") -> dict[str, Any]:
@@ -177,6 +218,8 @@ def soak_summary(result: "ABResult") -> dict[str, Any]:
             "kv_write_violations": run.audit.kv_write_violations,
             "refcount_violations": run.audit.refcount_violations,
             "lru_violations": run.audit.lru_violations,
+            "stale_hits": run.audit.stale_hits,
+            "weight_updates": len(run.updates),
             "error": run.error,
         }
     return out

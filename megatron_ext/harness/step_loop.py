@@ -14,12 +14,15 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from .. import mcore
+from ..errors import MegatronExtError
 from .audits import AuditSummary, ContextAudit, PoolPressure, PrefixCacheCounters
 from .cases import Case, PlannedRequest, validate_planned
 from .compare import RequestOutput
+from .rounds import make_update
+from .weight_updates import WeightUpdater
 
 #: A run that has not drained after this many engine steps per request is declared stuck.
 MAX_STEPS_PER_REQUEST = 200
@@ -45,6 +48,8 @@ class RunRecord:
         wall_s: wall-clock seconds for the run, build included.
         total_blocks: KV blocks in the context (dummy block included).
         error: the exception megatron-core raised during the run, as one line, or None.
+        updates: the weight updates made during the run (:class:`~megatron_ext.harness.weight_updates.UpdateRecord`),
+            empty for a case without ``weight_updates``.
     """
 
     prefix_caching: bool
@@ -57,6 +62,7 @@ class RunRecord:
     wall_s: float = 0.0
     total_blocks: int = 0
     error: Optional[str] = None
+    updates: list = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -84,6 +90,17 @@ def _generated(engine: Any, request_id: int) -> int:
     return sum(len(r.generated_tokens) for r in record)
 
 
+def taken_in(engine: Any, request_id: int) -> int:
+    """Tokens of a live request whose KV the engine has computed: its prompt (only the chunks
+    prefilled so far while it waits in the queue) plus the tokens it generated."""
+    request = engine.requests[request_id].record[-1]
+    if request_id in engine.waiting_request_ids:
+        prompt = request.finished_chunk_token_count
+    else:
+        prompt = len(request.prompt_tokens)
+    return prompt + _generated(engine, request_id)
+
+
 def merged_record(record: Any) -> Any:
     """A finished request's record as one request (0.18+ keep one entry per eviction: merged)."""
     return record.merge() if hasattr(record, "merge") else record
@@ -107,6 +124,8 @@ def step_until_done(
     on_stepped: Callable[[set[int], list[tuple[int, Any]]], None],
     on_tick: Callable[[int], None],
     step: Optional[Callable[[], Any]] = None,
+    update_at_steps: Sequence[int] = (),
+    on_update: Optional[Callable[[int], None]] = None,
 ) -> None:
     """The step loop: add each planned request at its arrival step, step the engine while any
     request is live, until every request finished.
@@ -121,6 +140,10 @@ def step_until_done(
         on_tick: after each loop iteration (an engine step, or an idle step waiting for an
             arrival) with the number of steps taken so far.
         step: what steps the engine (default ``engine.step_modern``), e.g. a timed call.
+        update_at_steps: loop iterations (engine steps, idle ones included) at which
+            ``on_update(k)`` is called with the update's index ``k`` (0-based), before that
+            iteration's arrivals are added and before the engine steps; requests still live run on
+            across it. An update whose step comes after the last request finished is not made.
 
     Raises:
         EngineStuckError: more than ``MAX_STEPS_PER_REQUEST * len(planned)`` steps.
@@ -130,7 +153,10 @@ def step_until_done(
     live: set[int] = set()
     steps = 0
     budget = MAX_STEPS_PER_REQUEST * len(planned)
+    updates = deque(enumerate(update_at_steps))
     while waiting or live:
+        while updates and updates[0][1] <= steps:
+            on_update(updates.popleft()[0])
         while waiting and waiting[0].arrival_step <= steps:
             request = waiting.popleft()
             engine.add_request(request.request_id, list(request.prompt_tokens),
@@ -161,27 +187,35 @@ def drive(
     planned: list[PlannedRequest],
     record: RunRecord,
     on_step: Optional[Callable[[int], None]] = None,
+    updater: Optional[WeightUpdater] = None,
 ) -> None:
     """Feed requests at their arrival steps and step the engine until all are finished.
 
     An exception raised by megatron-core is caught and recorded in ``record.error`` (one line
     with the innermost megatron-core frame); the audit results up to that step are kept.
 
+    With ``updater`` (a case with ``weight_updates``), the weights are updated at each of the
+    case's ``update_at_steps`` (:func:`megatron_ext.harness.rounds.make_update`), recorded in
+    ``record.updates``.
+
     Raises:
         WorkloadError: a zero-token prompt or a repeated request ID in ``planned`` (checked before
             the engine or context is touched).
         EngineStuckError: more than ``MAX_STEPS_PER_REQUEST * len(planned)`` steps.
+        MegatronExtError: a weight update the harness cannot make (e.g. WeightUpdateError).
     """
     validate_planned(planned)
     audit = ContextAudit(context, check_ref_counts=context.enable_prefix_caching).attach()
+    finished: set[int] = set()
 
     def added(request: PlannedRequest) -> None:
         record.outputs[request.request_id] = RequestOutput(
             request.request_id, request.label, len(request.prompt_tokens))
 
     def stepped(live: set[int], finished_now: list[tuple[int, Any]]) -> None:
-        for request_id, finished in finished_now:
-            _finish(record.outputs[request_id], finished)
+        for request_id, finished_record in finished_now:
+            _finish(record.outputs[request_id], finished_record)
+            finished.add(request_id)
         _note_token_steps(engine, record, live, [request_id for request_id, _ in finished_now])
         audit.end_step()
 
@@ -190,11 +224,17 @@ def drive(
         if on_step:
             on_step(steps)
 
+    def update(index: int) -> None:
+        generated = {rid: taken_in(engine, rid) for rid in record.outputs if rid not in finished}
+        record.updates.append(make_update(engine, context, updater, audit, index, record.steps,
+                                          record.outputs, finished, generated))
+
+    at_steps = updater.spec.update_at_steps if updater is not None else ()
     try:
-        step_until_done(engine, case, planned, added, stepped, ticked)
+        step_until_done(engine, case, planned, added, stepped, ticked, update_at_steps=at_steps, on_update=update)
         if context.enable_prefix_caching:
             audit.drain()
-    except EngineStuckError:
+    except (EngineStuckError, MegatronExtError):
         raise
     except Exception as exc:  # megatron-core failed mid-run: report it with the step
         record.error = f"step {record.steps}: {describe_exception(exc)}"

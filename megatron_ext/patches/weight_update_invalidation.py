@@ -20,7 +20,10 @@ a live request holds:
 - each context counts its flushes (``epoch``); a request is stamped with the epoch in which its
   prefill began, and a request from an older epoch (a chunked prefill straddling the update)
   neither matches nor registers blocks for the rest of its prefill: its KV depends on the old
-  weights' KV of its first chunks.
+  weights' KV of its first chunks. Both are done in ``_find_kv_match_count``, which every prefix
+  match goes through and which ``add_request`` calls before it allocates or registers: one
+  wrapper on the admission path (the stale request's ``precomputed_block_hashes`` are set aside
+  until it starts its prefill over, so ``add_request`` registers none of them).
 
 An update is recognised in three places: ``DynamicInferenceContext.reinitialize_inference_state_buffers``
 when it really reallocates (that is ``DynamicInferenceEngine.resume()`` after ``suspend()``, in
@@ -55,6 +58,8 @@ from ..patching import Patch, PatchResult, PatchState, Target, fingerprint
 ON_WEIGHT_UPDATE_ENV = "MEGATRON_EXT_ON_WEIGHT_UPDATE"
 ON_WEIGHT_UPDATE_MODES = ("invalidate", "keep")
 
+# Relied on: it matches through _find_kv_match_count before it allocates, and registers only
+# the hashes in the request's precomputed_block_hashes.
 ADD_REQUEST = Target(mcore.DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
 FIND_MATCH = Target(mcore.DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._find_kv_match_count")
 REINITIALIZE = Target(mcore.DYNAMIC_CONTEXT_MODULE,
@@ -69,8 +74,10 @@ SWAP = "swap_model_weights"
 #: Per context: flushes so far (the epoch); the process weight version it last flushed for.
 EPOCH_ATTR = "_megatron_ext_prefix_cache_epoch"
 SEEN_VERSION_ATTR = "_megatron_ext_weight_version_seen"
-#: Per request: the context epoch in which its prefill began (set by ``add_request``).
+#: Per request: the context epoch in which its prefill began (stamped at its first prefix match);
+#: a stale request's block hashes, set aside until it starts its prefill over.
 REQUEST_EPOCH_ATTR = "_megatron_ext_prefill_epoch"
+STASHED_HASHES_ATTR = "_megatron_ext_stale_block_hashes"
 #: The source-patched context's own flush count (patches/: ``prefix_cache_epoch``).
 SOURCE_EPOCH_ATTR = "prefix_cache_epoch"
 
@@ -208,39 +215,33 @@ def _sync_weight_version(context: Any) -> None:
         flush(context)
 
 
-def _request_of(args: tuple, kwargs: dict) -> Any:
-    return kwargs["req"] if "req" in kwargs else args[0]
-
-
 def _find_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
-    """``_find_kv_match_count(req, start_block, end_block)``: no match for a stale request.
+    """``_find_kv_match_count(req, start_block, end_block)``: every prefix match goes through it
+    (``check_availability``, ``add_request`` before it allocates or registers anything, the
+    engine's scheduler), so one wrapper serves all of them and the budgets agree.
 
-    Every prefix match goes through it (``check_availability``, ``add_request``, the engine's
-    scheduler), so the budgets the scheduler computes agree with what ``add_request`` does.
+    A request that has not begun its prefill (``finished_chunk_token_count == 0``) is stamped with
+    the context's epoch (its hashes back if it was stale before and starts over). A stale request
+    matches nothing, and its block hashes are set aside (``STASHED_HASHES_ATTR``) until it starts
+    over: ``add_request`` registers only the hashes of ``precomputed_block_hashes``, so it
+    registers nothing either. Inlined: it runs on every admission.
     """
-    if context.enable_prefix_caching:
-        _sync_weight_version(context)
-        if is_stale(context, _request_of(args, kwargs)):
-            return [], 0
-    return wrapped(*args, **kwargs)
-
-
-def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
-    """``add_request(req, prefill_chunk_length=None)``: stamp a first chunk with the epoch; a
-    stale request's later chunks run with its block hashes hidden, so it registers nothing."""
     if not context.enable_prefix_caching:
         return wrapped(*args, **kwargs)
-    _sync_weight_version(context)
-    req = _request_of(args, kwargs)
+    state = context.__dict__
+    if SWAP_HOOK.pending or state.get(SEEN_VERSION_ATTR, 0) != _current_version:
+        _sync_weight_version(context)
+    req = kwargs["req"] if "req" in kwargs else args[0]
+    epoch, stamps = state.get(EPOCH_ATTR, 0), req.__dict__
     if req.finished_chunk_token_count == 0:  # a new request, or one re-added from scratch
-        req.__dict__[REQUEST_EPOCH_ATTR] = _runtime_epoch(context)
-    if not is_stale(context, req):
-        return wrapped(*args, **kwargs)
-    hashes, req.precomputed_block_hashes = req.precomputed_block_hashes, []
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        req.precomputed_block_hashes = hashes
+        stamps[REQUEST_EPOCH_ATTR] = epoch
+        if STASHED_HASHES_ATTR in stamps:
+            req.precomputed_block_hashes = stamps.pop(STASHED_HASHES_ATTR)
+    elif stamps.get(REQUEST_EPOCH_ATTR, epoch) != epoch:  # its prefill straddles a flush
+        if STASHED_HASHES_ATTR not in stamps:
+            stamps[STASHED_HASHES_ATTR], req.precomputed_block_hashes = req.precomputed_block_hashes, []
+        return [], 0
+    return wrapped(*args, **kwargs)
 
 
 def _reinitialize_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
@@ -272,16 +273,16 @@ class WeightUpdateInvalidationPatch(Patch):
         self.fingerprints = FINGERPRINTS
 
     def wrappers(self) -> dict[Target, Callable]:
-        return {ADD_REQUEST: _add_request_wrapper, FIND_MATCH: _find_match_wrapper,
-                REINITIALIZE: _reinitialize_wrapper}
+        return {FIND_MATCH: _find_match_wrapper, REINITIALIZE: _reinitialize_wrapper}
 
     def checked_functions(self) -> tuple[Target, ...]:
-        return (*self.wrappers(), DEREGISTER, RELEASE)
+        return (*self.wrappers(), ADD_REQUEST, DEREGISTER, RELEASE)
 
     def needed(self) -> tuple[bool, str]:
-        """Not needed only where all three functions it wraps are megatron-ext's source-patched
-        code (``patches/``) of one release."""
-        found = {t.qualname: fingerprint(t.original()) for t in self.wrappers()}
+        """Not needed only where the three functions the source patch changes (the two this patch
+        wraps, and ``add_request``) are megatron-ext's source-patched code (``patches/``) of one
+        release."""
+        found = {t.qualname: fingerprint(t.original()) for t in (FIND_MATCH, REINITIALIZE, ADD_REQUEST)}
         releases = [r for r, fixed in SOURCE_PATCHED_FINGERPRINTS.items() if fixed == found]
         if releases:
             names = ", ".join(f"{name.split('.')[-1]} {digest}" for name, digest in found.items())

@@ -14,10 +14,10 @@ class Violation:
 
     Attributes:
         kind: ``kv_write``, ``ref_count``, ``free_pool``, ``drain``, ``block_table``,
-            ``prefix_chain`` or ``child_count`` (see :data:`FAULT_OF_KIND`).
+            ``prefix_chain``, ``child_count`` or ``stale_hit`` (see :data:`FAULT_OF_KIND`).
         step: engine step (0-based) at which it was seen.
         block: the KV block ID concerned.
-        request_id: the request concerned (``kv_write`` and ``block_table``), else -1.
+        request_id: the request concerned (``kv_write``, ``block_table`` and ``stale_hit``), else -1.
         detail: one human sentence.
     """
 
@@ -36,6 +36,7 @@ FAULT_OF_KIND = {
     "block_table": "fix 4 fault (lru-pin-before-allocate)",
     "prefix_chain": "fix 3 fault (lru-leaf-first-eviction)",
     "child_count": "fix 5 fault (lru-register-once)",
+    "stale_hit": "fault 8 (weight-update-invalidation)",
 }
 
 

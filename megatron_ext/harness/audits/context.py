@@ -2,10 +2,10 @@
 
 :class:`ContextAudit` attaches instance-level wrappers (the engine calls ``context.add_request``
 and the attention layer ``context.append_key_value_cache``; the allocator's
-``allocate_memory_blocks``, ``_deregister_blocks`` and ``evict_lru_blocks``), so it stacks on
+``allocate_memory_blocks``, ``register_kv_block_hashes``, ``_deregister_blocks`` and ``evict_lru_blocks``), so it stacks on
 top of whatever class-level code is installed (patched or not) and is removed with
 :meth:`ContextAudit.detach`. It feeds one module per invariant: :mod:`.kv_writes` (fault 2),
-:mod:`.ref_counts` (fault 1), :mod:`.lru` (faults 3-5), and :mod:`.pool` (pool pressure and
+:mod:`.ref_counts` (fault 1), :mod:`.lru` (faults 3-5), :mod:`.stale_hits` (fault 8), and :mod:`.pool` (pool pressure and
 prefix-cache counters, measured, not checked).
 """
 
@@ -20,6 +20,7 @@ from .kv_writes import KVWriteAudit
 from .lru import LRUAudit
 from .pool import PoolAudit, PoolPressure, PrefixCacheCounters
 from .ref_counts import RefCountAudit
+from .stale_hits import StaleHitAudit
 
 
 @dataclass
@@ -30,6 +31,8 @@ class AuditSummary:
         kv_write_violations: KV writes into blocks the writer did not allocate (fault 2).
         refcount_violations: ref-count, free-pool and drain violations (fault 1).
         lru_violations: repeated block IDs, broken prefix chains, wrong child counts (faults 3-5).
+        stale_hits: hash matches of blocks cached under older weights (fault 8; only runs with
+            weight updates can have them).
         violations_by_kind: violation kind -> count, kinds in the order first seen.
         kv_writes_checked: (token, layer) KV writes inspected.
         steps_checked: steps whose ref counts were checked.
@@ -39,6 +42,7 @@ class AuditSummary:
     kv_write_violations: int = 0
     refcount_violations: int = 0
     lru_violations: int = 0
+    stale_hits: int = 0
     violations_by_kind: dict[str, int] = field(default_factory=dict)
     kv_writes_checked: int = 0
     steps_checked: int = 0
@@ -62,7 +66,9 @@ class ContextAudit:
         self.ref_counts = RefCountAudit(self.log)
         self.lru = LRUAudit(self.log)
         self.pool = PoolAudit(self.log)
+        self.stale = StaleHitAudit(self.log)
         self.steps_checked = 0
+        self._allocator = None
 
     @property
     def violations(self) -> list[Violation]:
@@ -83,24 +89,19 @@ class ContextAudit:
 
     def attach(self) -> "ContextAudit":
         """Install the instance-level wrappers; returns ``self``."""
-        ctx, allocator = self.context, self.context.kv_block_allocator
+        ctx = self.context
         add_request, append = ctx.add_request, ctx.append_key_value_cache
-        allocate = allocator.allocate_memory_blocks
-
-        def audited_allocate(num_blocks: int, *args, **kwargs):
-            blocks = allocate(num_blocks, *args, **kwargs)
-            if blocks is not None:
-                self.kv_writes.allocated(blocks.tolist())
-            return blocks
 
         def audited_add_request(req, prefill_chunk_length=None):
             self.kv_writes.begin_add_request()
             self.lru.learn_parent_hashes(req)
             row, finished = ctx.total_request_count, req.finished_chunk_token_count
+            self.stale.begin_add_request(req.request_id, finished)
             chunk = req.remaining_prompt_length if prefill_chunk_length is None else prefill_chunk_length
             first_token = ctx.active_token_count
             result = add_request(req, prefill_chunk_length)
             matched = self.kv_writes.end_add_request(req.request_id, row, finished)
+            self.stale.end_add_request(req.request_id, self.kv_writes.last_matched)
             self.pool.added(matched, chunk, ctx.active_token_count - first_token)
             return result
 
@@ -110,7 +111,29 @@ class ContextAudit:
 
         ctx.add_request = audited_add_request
         ctx.append_key_value_cache = audited_append
+        self._attach_allocator()
+        return self
+
+    def _attach_allocator(self) -> None:
+        """Wrap the context's current allocator (allocate, register, deregister, evict)."""
+        allocator = self._allocator = self.context.kv_block_allocator
+        allocate = allocator.allocate_memory_blocks
+
+        def audited_allocate(num_blocks: int, *args, **kwargs):
+            blocks = allocate(num_blocks, *args, **kwargs)
+            if blocks is not None:
+                self.kv_writes.allocated(blocks.tolist())
+            return blocks
+
         allocator.allocate_memory_blocks = audited_allocate
+        if hasattr(allocator, "register_kv_block_hashes"):  # every release 0.17-0.19
+            register = allocator.register_kv_block_hashes
+
+            def audited_register(block_ids, *args, **kwargs):
+                self.stale.registered(int(b) for b in block_ids)
+                return register(block_ids, *args, **kwargs)
+
+            allocator.register_kv_block_hashes = audited_register
         if hasattr(allocator, "_deregister_blocks"):  # count evictions (none with prefix caching off)
             deregister, evict = allocator._deregister_blocks, allocator.evict_lru_blocks
 
@@ -124,15 +147,27 @@ class ContextAudit:
 
             allocator._deregister_blocks = counted_deregister
             allocator.evict_lru_blocks = counted_evict
-        return self
+
+    def weights_updated(self) -> None:
+        """The harness updated the model's weights (after ``engine.resume()`` or the explicit
+        invalidation): the stale-hit audit moves to the next weight version; a context that built
+        a new allocator meanwhile (RECOMPUTE resume) gets the allocator wrappers again."""
+        self.stale.weights_updated()
+        if self.context.kv_block_allocator is not self._allocator:
+            self._detach_allocator()
+            self.stale.allocator_replaced()
+            self._attach_allocator()
+
+    def _detach_allocator(self) -> None:
+        for name in ("allocate_memory_blocks", "register_kv_block_hashes", "_deregister_blocks", "evict_lru_blocks"):
+            self._allocator.__dict__.pop(name, None)
 
     def detach(self) -> None:
         """Remove the wrappers :meth:`attach` installed."""
-        allocator = self.context.kv_block_allocator
-        for owner, name in ((self.context, "add_request"), (self.context, "append_key_value_cache"),
-                            (allocator, "allocate_memory_blocks"), (allocator, "_deregister_blocks"),
-                            (allocator, "evict_lru_blocks")):
-            owner.__dict__.pop(name, None)
+        for name in ("add_request", "append_key_value_cache"):
+            self.context.__dict__.pop(name, None)
+        if self._allocator is not None:
+            self._detach_allocator()
 
     # -- checkpoints of a run -------------------------------------------------------------------
 
@@ -172,6 +207,7 @@ class ContextAudit:
             kv_write_violations=self.count("kv_write"),
             refcount_violations=self.count("ref_count", "free_pool", "drain"),
             lru_violations=self.count("block_table", "prefix_chain", "child_count"),
+            stale_hits=self.count("stale_hit"),
             violations_by_kind=dict(Counter(v.kind for v in self.violations)),
             kv_writes_checked=self.kv_writes.kv_writes_checked,
             steps_checked=self.steps_checked,

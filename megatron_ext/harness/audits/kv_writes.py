@@ -27,6 +27,8 @@ class KVWriteAudit:
     log: AuditLog
     matched_blocks: dict[int, set[int]] = field(default_factory=dict)
     kv_writes_checked: int = 0
+    #: the blocks the last ``add_request`` obtained by a hash match (new block-table entries)
+    last_matched: list[int] = field(default_factory=list)
     _allocated_in_call: list[int] = field(default_factory=list)
 
     def begin_add_request(self) -> None:
@@ -44,6 +46,7 @@ class KVWriteAudit:
         count = int(ctx.request_kv_block_counts[row])
         new_entries = ctx.request_to_kv_block_ids[row][first_new:count].tolist()
         matched = set(new_entries) - set(self._allocated_in_call)
+        self.last_matched = sorted(b for b in matched if b >= 0)
         if finished_tokens == 0:  # a first chunk: a new request or one re-added after eviction
             self.matched_blocks[request_id] = set()
         self.matched_blocks.setdefault(request_id, set()).update(matched)

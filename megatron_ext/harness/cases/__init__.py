@@ -153,6 +153,9 @@ class RequestSpec(_Strict):
     samples: int = Field(1, ge=1)
     arrival_step: int = Field(0, ge=0)
     num_tokens_to_generate: int = Field(8, ge=1)
+    #: the round (weight version) the request belongs to: 0 before the first weight update, k after
+    #: update k; its ``arrival_step`` counts from the round's start (:class:`WeightUpdateSpec`)
+    round: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _one_source(self) -> "RequestSpec":
@@ -169,12 +172,90 @@ class RequestSpec(_Strict):
         return self
 
 
+#: ``kv_cache_management_mode`` values that run on the CPU backend, and why the others cannot.
+CPU_KV_CACHE_MODES = ("persist", "offload", "recompute")
+
+#: Fields of :class:`WeightUpdateSpec` that only one update kind (or only suspend/resume) uses.
+_FIELDS_OF_KIND = {"optimizer": "train_step", "learning_rate": "train_step", "perturb_scale": "perturb",
+                   "checkpoints": "checkpoint"}
+
+
+class WeightUpdateSpec(_Strict):
+    """Weight updates between rounds of requests (the training-to-inference loop of an RL job).
+
+    The run is split into rounds: round 0 starts at engine step 0, round ``k`` at
+    ``update_at_steps[k-1]``, where the harness updates the weights before it adds that step's
+    arrivals. A request's ``round`` picks its round and its ``arrival_step`` counts from that
+    round's start. Requests of an earlier round that are still running at an update keep running
+    across it (partial rollouts). Steps are the harness's loop iterations (idle ones included), so
+    caching off (A) and on (B) update at the same step.
+
+    * ``kind``: ``train_step`` (one optimizer step of the same GPTModel on the previous round's
+      finished requests, prompt + generated tokens of that run), ``perturb`` (seeded Gaussian noise
+      of standard deviation ``perturb_scale`` added to every parameter through ``.data``, as a weight
+      refit writes) or ``checkpoint`` (the next of ``checkpoints``, or ``ab --update-from DIR``,
+      loaded into the model).
+    * ``suspend_resume``: ``engine.suspend()`` before the update and ``engine.resume()`` after,
+      with the engine's ``kv_cache_management_mode`` (``persist``, Megatron-LM RL's default,
+      ``offload`` or ``recompute``); otherwise the harness calls
+      ``megatron_ext.invalidate_prefix_cache(engine)`` after the update, as a loop without
+      suspend/resume must.
+    * ``optimizer`` (``sgd`` or ``adam``), ``learning_rate``: the training step's; ``seed``: of the
+      perturbation and of the training step's dropout (update ``k`` uses ``seed + k``).
+    """
+
+    kind: Literal["train_step", "perturb", "checkpoint"]
+    update_at_steps: list[int] = Field(min_length=1)
+    suspend_resume: bool = False
+    kv_cache_management_mode: str = "persist"
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    learning_rate: float = Field(0.01, gt=0)
+    perturb_scale: float = Field(0.01, gt=0)
+    seed: int = 0
+    checkpoints: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "WeightUpdateSpec":
+        steps = self.update_at_steps
+        if steps[0] < 1 or any(b <= a for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"update_at_steps {steps} must be engine steps >= 1 in increasing order")
+        for name, kind in _FIELDS_OF_KIND.items():
+            if name in self.model_fields_set and self.kind != kind:
+                raise ValueError(f"'{name}' applies to kind {kind} only, this update is kind {self.kind}; "
+                                 "remove it")
+        if "kv_cache_management_mode" in self.model_fields_set and not self.suspend_resume:
+            raise ValueError("'kv_cache_management_mode' is the engine's mode across suspend()/resume(); "
+                             "set suspend_resume: true or remove it")
+        if self.kv_cache_management_mode not in CPU_KV_CACHE_MODES:
+            raise ValueError(f"kv_cache_management_mode '{self.kv_cache_management_mode}' is not one of "
+                             f"megatron-core's modes that run here: {', '.join(CPU_KV_CACHE_MODES)}")
+        if self.kind == "checkpoint" and self.checkpoints and len(self.checkpoints) not in (1, len(steps)):
+            raise ValueError(f"{len(self.checkpoints)} checkpoints for {len(steps)} updates; give one (loaded "
+                             "at every update) or one per update")
+        return self
+
+    @property
+    def rounds(self) -> int:
+        """Rounds of requests: one more than the updates."""
+        return len(self.update_at_steps) + 1
+
+    def round_start(self, round_index: int) -> int:
+        """Engine step at which round ``round_index`` starts (0 for round 0)."""
+        return 0 if round_index == 0 else self.update_at_steps[round_index - 1]
+
+
 class Expectations(_Strict):
     """What ``ab`` checks beyond the audits."""
 
     bit_identical: bool = True
     min_blocks_matched: int = Field(0, ge=0)
     min_prefill_tokens_skipped: int = Field(0, ge=0)
+    #: a request in flight at a weight update that had generated another number of tokens with
+    #: caching on than off (megatron-core schedules the two differently, e.g. it defers a request
+    #: whose prefix a same-step sibling computes), so the new weights start at another token of it:
+    #: ``fail`` the case (designed cases: move the update or the arrivals), or ``exclude`` that
+    #: request from the bit-identity check (generated workloads, ``soak --update-every``)
+    update_timing: Literal["fail", "exclude"] = "fail"
 
 
 class Case(_Strict):
@@ -190,6 +271,31 @@ class Case(_Strict):
     sampling: SamplingSpec = SamplingSpec()
     requests: list[RequestSpec] = Field(min_length=1)
     expectations: Expectations = Expectations()
+    weight_updates: Optional[WeightUpdateSpec] = None
+
+    @model_validator(mode="after")
+    def _rounds(self) -> "Case":
+        updates = self.weight_updates
+        rounds = 1 if updates is None else updates.rounds
+        for index, spec in enumerate(self.requests):
+            if spec.round >= rounds:
+                fix = ("add a weight_updates section" if updates is None
+                       else "add an update to weight_updates.update_at_steps or lower 'round'")
+                raise ValueError(f"requests.{index}.round is {spec.round} but the case has {rounds} round(s) "
+                                 f"(0 to {rounds - 1}); {fix}")
+            if updates is None or spec.round == rounds - 1:
+                continue
+            last = updates.round_start(spec.round) + spec.arrival_step + spec.turn_interval * (len(turn_prompts(spec)) - 1)
+            end = updates.update_at_steps[spec.round]
+            if last >= end:
+                raise ValueError(f"requests.{index} (round {spec.round}) arrives at engine step {last}, not before "
+                                 f"the update at step {end} that ends its round; lower its arrival_step "
+                                 f"(it counts from the round's start) or give it round {spec.round + 1}")
+        if updates is not None and all(spec.round < rounds - 1 for spec in self.requests):
+            raise ValueError(f"no request is in the last round ({rounds - 1}), so the update at step "
+                             f"{updates.update_at_steps[-1]} may come after every request finished; give a "
+                             f"request 'round: {rounds - 1}' or drop that update")
+        return self
 
 
 class PlannedRequest(_Strict):
@@ -200,12 +306,15 @@ class PlannedRequest(_Strict):
     prompt_tokens: list[int]
     num_tokens_to_generate: int
     label: str
+    #: the round (weight version) of the request; ``arrival_step`` is absolute (round start added)
+    round: int = 0
 
 
 def plan_requests(case: Case, tokenizer: Tokenizer) -> list[PlannedRequest]:
     """Expand a case's requests into engine requests, ordered by arrival step then ID.
 
-    Request IDs are assigned here (0, 1, ... in case order), so a case cannot repeat one.
+    Request IDs are assigned here (0, 1, ... in case order), so a case cannot repeat one. With
+    ``weight_updates`` a request's arrival step is made absolute: its round's start step is added.
 
     Raises:
         CaseFileError: a prompt plus its generated tokens exceeds ``max_sequence_length``, or a
@@ -214,7 +323,7 @@ def plan_requests(case: Case, tokenizer: Tokenizer) -> list[PlannedRequest]:
     """
     planned: list[PlannedRequest] = []
     for index, spec in enumerate(case.requests):
-        for turn, text in enumerate(_prompts(spec)):
+        for turn, text in enumerate(turn_prompts(spec)):
             tokens = tokenizer.tokenize(spec.prefix + text)
             if not tokens:
                 where = f"turn {turn} of 'conversation'" if spec.conversation else "'prompt' (with 'prefix')"
@@ -225,10 +334,12 @@ def plan_requests(case: Case, tokenizer: Tokenizer) -> list[PlannedRequest]:
             problem = sequence_too_long(case.inference, len(tokens), spec.num_tokens_to_generate)
             if problem:
                 raise CaseFileError(f"case '{case.name}': field 'requests.{index}': {problem}")
+            start = 0 if case.weight_updates is None else case.weight_updates.round_start(spec.round)
             for sample in range(spec.samples):
                 planned.append(PlannedRequest(
                     request_id=len(planned),
-                    arrival_step=spec.arrival_step + turn * spec.turn_interval,
+                    round=spec.round,
+                    arrival_step=start + spec.arrival_step + turn * spec.turn_interval,
                     prompt_tokens=tokens,
                     num_tokens_to_generate=spec.num_tokens_to_generate,
                     label=f"r{index}" + (f".t{turn}" if spec.conversation else "") + f".s{sample}",
@@ -288,7 +399,8 @@ def validate_planned(planned: list[PlannedRequest]) -> None:
         first_index[request.request_id] = index
 
 
-def _prompts(spec: RequestSpec) -> list[str]:
+def turn_prompts(spec: RequestSpec) -> list[str]:
+    """The prompt text of each turn (one for a ``prompt``), without the ``prefix``."""
     if spec.prompt is not None:
         return [spec.prompt]
     turns, history = [], ""
@@ -331,8 +443,12 @@ def load_case(name_or_path: str) -> Case:
 
 
 def dump_case(case: Case) -> str:
-    """A case as case-file YAML; :func:`parse_case` of it gives an equal case."""
-    return yaml.safe_dump(case.model_dump(), sort_keys=False, width=200)
+    """A case as case-file YAML; :func:`parse_case` of it gives an equal case. ``weight_updates``
+    keeps only the fields its author set (the schema refuses fields of another update kind)."""
+    data = case.model_dump()
+    if case.weight_updates is not None:
+        data["weight_updates"] = case.weight_updates.model_dump(exclude_unset=True)
+    return yaml.safe_dump(data, sort_keys=False, width=200)
 
 
 def parse_case(text: str, source: str = "<string>") -> Case:
