@@ -174,7 +174,7 @@ def weight_update_tables(section: dict[str, Any]) -> list[Table]:
     add = section["add_request"]
     add_table = Table(
         title=f"{WU_TITLES['add_request']}, µs per call ({CLOCK_NAMES[clock]}), median [IQR]",
-        caption=f"fault8 = only weight-update-invalidation's wrappers (add_request, _find_kv_match_count); "
+        caption=f"fault8 = only weight-update-invalidation's wrappers (_find_kv_match_count, reinitialize_inference_state_buffers); "
                 f"unpatched = the release's own code (every other patch off in both); pass-through = a "
                 "do-nothing wrapt wrapper on the same functions (what wrapping alone costs). Policy "
                 f"{add['policy']}; {add['rounds']} rounds x {add['batch']} calls per variant, alternating; "
