@@ -74,7 +74,11 @@ def test_readme_names_the_supported_releases():
 def test_source_patched_fingerprints_cover_exactly_the_supported_releases():
     # needed() answers "not needed" only for a release listed here: a release missing from one
     # table would get that runtime patch refused on its source-patched tree
-    from megatron_ext.patches import lru_resume_evictable, matched_block_writes, weight_update_invalidation
+    import sys
 
-    for module in (matched_block_writes, lru_resume_evictable, weight_update_invalidation):
-        assert tuple(module.SOURCE_PATCHED_FINGERPRINTS) == SUPPORTED, module.__name__
+    tables = {patch.name: getattr(sys.modules[type(patch).__module__], "SOURCE_PATCHED_FINGERPRINTS", None)
+              for patch in ALL_PATCHES}
+    tables = {name: table for name, table in tables.items() if table is not None}
+    assert {"matched-block-writes", "lru-resume-evictable", "weight-update-invalidation"} <= set(tables)
+    for name, table in tables.items():
+        assert tuple(table) == SUPPORTED, name

@@ -143,6 +143,7 @@ def test_a_chunked_prefill_straddling_the_update_neither_matches_nor_registers(c
     if not UNPATCHED and not SOURCE_PATCHED:  # set aside until it starts over
         assert straddler.precomputed_block_hashes == []
         assert straddler.__dict__[fault8.STASHED_HASHES_ATTR] == hashes
+    if not UNPATCHED:  # the source patch restamps at the first prefix match too (hashes kept)
         # Started over from scratch (RECOMPUTE, or evicted and re-added): current again, it
         # matches the blocks cached after the update.
         straddler.finished_chunk_token_count = 0

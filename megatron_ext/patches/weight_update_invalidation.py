@@ -101,7 +101,7 @@ FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V0
 #: The three wrapped functions after the source patches of ``patches/`` (already fixed code);
 #: recorded with ``scripts/record_fingerprints.py --source-patched``.
 _SOURCE_COMMON = {
-    "DynamicInferenceContext._find_kv_match_count": "fa3ca2becb16eec6",
+    "DynamicInferenceContext._find_kv_match_count": "3c776c75b1b8d21f",
     "DynamicInferenceContext.reinitialize_inference_state_buffers": "35077e02b99f9b94",
 }
 _SOURCE_V017 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "e3ba4f324bc80659"}
