@@ -221,7 +221,7 @@ def test_strict_apply_does_not_raise_for_a_refused_patch_that_skip_leaves_out(ch
             PatchState.NOT_APPLIED, "skipped by MEGATRON_EXT_SKIP")
     assert PatchState.REFUSED not in {r.state for r in results}
     assert "matched-block-writes" not in installed_patches(ADD_REQUEST)
-    assert installed_patches(FIND_MATCH) == ["weight-update-invalidation"]  # the others were applied
+    assert "weight-update-invalidation" in installed_patches(FIND_MATCH)  # the others were applied
     monkeypatch.setenv("MEGATRON_EXT_SKIP", "lru-resume-evictable")  # skipping another one: still refused
     megatron_ext.revert()
     with pytest.raises(PatchRefusedError, match="_compute_prefix_match"):
