@@ -158,12 +158,6 @@ def context_epoch(context: Any) -> int:
     return getattr(context, SOURCE_EPOCH_ATTR, 0)
 
 
-def is_stale(context: Any, req: Any) -> bool:
-    """Whether ``req`` began its prefill before the context's last flush by this patch
-    (untagged: not yet admitted, so not stale)."""
-    return req.__dict__.get(REQUEST_EPOCH_ATTR, _runtime_epoch(context)) != _runtime_epoch(context)
-
-
 def flush(context: Any) -> InvalidationResult:
     """Make every block registered in ``context``'s prefix cache unmatchable (module docstring).
 
