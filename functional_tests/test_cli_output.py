@@ -89,18 +89,29 @@ def test_verbose_keeps_library_output_inline(tmp_path):
     assert text.splitlines()[-1].startswith("saved the model of case 'shared_system_prompt'")
 
 
+def _started(tmp_path: Path) -> bool:
+    # the library log exists from the command's start, before megatron-core is imported
+    return bool(list(tmp_path.glob("megatron-ext-soak-*.log")))
+
+
+def _first_run_done(tmp_path: Path) -> bool:
+    return "A: caching off:" in (tmp_path / "out.txt").read_text()
+
+
 @pytest.mark.slow
-def test_ctrl_c_during_a_run_exits_130_with_one_line(tmp_path):
+@pytest.mark.parametrize("when", [_started, _first_run_done], ids=["while importing", "between runs"])
+def test_ctrl_c_exits_130_with_one_line(tmp_path, when):
+    # while importing: megatron-core's bare `except:` around optional imports swallows a
+    # KeyboardInterrupt raised there; the soak must stop at its first engine step all the same
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_EXT_")}
     env["TMPDIR"] = str(tmp_path)
     with (tmp_path / "out.txt").open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "megatron_ext", "soak", "--requests", "200"],
                                    stdout=out, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
-        # the run has started once its library log exists; the first run takes ~20 s even at rest
-        while not list(tmp_path.glob("megatron-ext-soak-*.log")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(8)
+        deadline = time.monotonic() + 300
+        while not when(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert process.poll() is None, "the soak ended before it could be interrupted"
         process.send_signal(signal.SIGINT)
         code = process.wait(timeout=120)
     text = (tmp_path / "out.txt").read_text()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 from rich.table import Table
 
 from . import mcore
-from .console import LibraryOutput, RunProgress, library_output, log_path, report_console, settle_log
+from .console import CtrlC, LibraryOutput, RunProgress, library_output, log_path, report_console, settle_log
 from .errors import MegatronExtError
 
 if TYPE_CHECKING:  # patching imports wrapt: `megatron-ext --help` and argument errors need neither
@@ -606,7 +606,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_imports()
     try:
-        return args.func(args)
+        with CtrlC.installed():
+            code = args.func(args)
+            CtrlC.check()  # pressed while megatron-core swallowed it, after the last engine step
+        return code
     except MegatronExtError as exc:
         print(f"megatron-ext: error: {exc}", file=sys.stderr)
         return 2

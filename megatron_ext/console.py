@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, TextIO
@@ -168,6 +170,56 @@ def library_output(path: Optional[Path]) -> Iterator[LibraryOutput]:
         real_err.close()
 
 
+def _importing(frame: Any) -> bool:
+    """Whether ``frame`` (or a caller of it) runs inside the import machinery."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class CtrlC:
+    """Ctrl-C that reaches the command even when a library swallows it.
+
+    megatron-core wraps optional imports (zmq, msgpack, tqdm, cuda bindings) in bare ``except:``,
+    so a KeyboardInterrupt raised while a module imports can be lost and the run goes on; raised
+    inside an extension's own start-up code it also makes Python kill itself with SIGINT at exit
+    (exit -2, not 130). So a press while a module is importing is only remembered, and
+    :meth:`check` (called after every engine step, and by ``main`` when the command returns)
+    raises it; a press anywhere else raises KeyboardInterrupt at once, as Python's handler does.
+    """
+
+    pressed = False
+
+    @classmethod
+    @contextlib.contextmanager
+    def installed(cls) -> Iterator[None]:
+        """The handler inside the block, the previous one after it (a no-op off the main thread,
+        where ``signal.signal`` cannot be called)."""
+        cls.pressed = False
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, cls._handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    @classmethod
+    def _handler(cls, _signum: int, frame: Any) -> None:
+        cls.pressed = True
+        if not _importing(frame):
+            raise KeyboardInterrupt
+
+    @classmethod
+    def check(cls) -> None:
+        """Raises: KeyboardInterrupt if Ctrl-C was pressed inside :meth:`installed`."""
+        if cls.pressed:
+            raise KeyboardInterrupt
+
+
 class RunProgress:
     """Progress of the engine runs of ``ab`` / ``soak``.
 
@@ -188,7 +240,8 @@ class RunProgress:
                             file=output.stderr)
 
     def on_step(self, _step: int) -> None:
-        """Called after every engine step of every run."""
+        """Called after every engine step of every run; re-raises a swallowed Ctrl-C."""
+        CtrlC.check()
         if self.bar is not None:
             self.bar.update(1)
 

@@ -24,7 +24,7 @@ from .checkpoint_args import check_case_model_matches_args, checkpoint_model_spe
 from .compare import RequestDiff, RequestOutput, compare_runs, top_n_miscounted
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .rounds import left_out, update_mismatches
-from .engine import build_engine, build_model, ensure_model_parallel
+from .engine import build_engine, build_model, dist_timeout, ensure_model_parallel
 from .step_loop import RunRecord, drive
 from .tokenizer import Tokenizer, check_vocab_fits, default_tokenizer
 from .weight_updates import WeightSnapshot, WeightUpdateError, WeightUpdater
@@ -246,6 +246,22 @@ def _output_json(output: RequestOutput) -> dict[str, Any]:
     return fields
 
 
+def check_device(device: str) -> None:
+    """Refuse a device this machine lacks, before anything is imported or built.
+
+    Raises:
+        DeviceUnavailableError: ``cuda`` asked for but no CUDA device is available.
+    """
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DeviceUnavailableError("--device cuda: no CUDA device is available here (torch "
+                                     f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                                     "use --device cpu, or run on a machine with a GPU")
+
+
 @contextlib.contextmanager
 def backend(device: str) -> Iterator[tuple[bool, str]]:
     """The compute backend for a run; yields the batch-invariance self-check result.
@@ -258,13 +274,8 @@ def backend(device: str) -> Iterator[tuple[bool, str]]:
     Raises:
         DeviceUnavailableError: ``cuda`` asked for but no CUDA device is available.
     """
+    check_device(device)
     if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise DeviceUnavailableError("--device cuda: no CUDA device is available here (torch "
-                                         f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
-                                         "use --device cpu, or run on a machine with a GPU")
         yield True, "not checked on cuda (configure megatron-core's batch_invariant_mode yourself)"
         return
     import torch
@@ -348,6 +359,8 @@ def run_ab(
         raise WeightUpdateError(f"case '{case.name}': weight_updates kind train_step under pipeline parallelism needs "
                                 "megatron-core's pipeline schedule, which ab does not drive; use kind perturb or "
                                 "checkpoint with --pipeline-model-parallel-size > 1")
+    check_device(device)
+    dist_timeout()  # a bad MEGATRON_EXT_DIST_TIMEOUT_S is refused before megatron-core is imported
     patch_results = apply() if patched else revert()
     patches = [r.as_dict() for r in patch_results]
     with backend(device) as invariance:

@@ -22,6 +22,15 @@ from .tokenizer import Tokenizer, default_tokenizer
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def dist_timeout() -> datetime.timedelta:
+    """The collectives' timeout, ``MEGATRON_EXT_DIST_TIMEOUT_S`` seconds (default 300).
+
+    Raises:
+        MegatronExtError: ``MEGATRON_EXT_DIST_TIMEOUT_S`` is not a number of seconds in (0, 604800].
+    """
+    return datetime.timedelta(seconds=env.seconds("MEGATRON_EXT_DIST_TIMEOUT_S", 300.0))
+
+
 def ensure_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
     """Initialize torch.distributed (gloo; one rank unless launched by torchrun) and megatron-core's
     parallel state, once per process.
@@ -35,7 +44,7 @@ def ensure_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_pa
         MegatronExtError: ``MEGATRON_EXT_DIST_TIMEOUT_S`` is not a positive number.
     """
     dist = torch.distributed
-    timeout = datetime.timedelta(seconds=env.seconds("MEGATRON_EXT_DIST_TIMEOUT_S", 300.0))
+    timeout = dist_timeout()
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
             dist.init_process_group("gloo", timeout=timeout)
