@@ -15,8 +15,8 @@ import hashlib
 import inspect
 import textwrap
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
 import wrapt
 
@@ -129,19 +129,28 @@ def fingerprint(function: Callable) -> str:
     return hashlib.sha256(normalized.encode()).hexdigest()[:16]
 
 
-@dataclass
 class Patch(ABC):
-    """One runtime fix. Subclasses fill in the class attributes and :meth:`wrappers`.
+    """One runtime fix, declared by its subclass's class attributes plus :meth:`wrappers`.
 
     Attributes:
         name: short name used in status output and in the ``MEGATRON_EXT_SKIP`` variable.
         fingerprints: release -> {``Class.method``: fingerprint} of every target and every
             function the wrapper relies on, recorded from the released wheels.
+        source_patched_targets: the functions the source patch of ``patches/`` changes for this
+            fault; the default :meth:`needed` answers "not needed" when all of them are that code.
+        source_patched_fingerprints: release -> {``Class.method``: fingerprint} of those functions
+            after ``patches/`` (``scripts/record_fingerprints.py --source-patched``).
+        fault_evidence: what :meth:`needed` says of code that is not source-patched.
     """
 
-    name: str = field(init=False, default="")
-    fingerprints: dict[str, dict[str, str]] = field(init=False, default_factory=dict)
-    _saved: dict[Target, Any] = field(init=False, default_factory=dict)
+    name: ClassVar[str] = ""
+    fingerprints: ClassVar[dict[str, dict[str, str]]] = {}
+    source_patched_targets: ClassVar[tuple[Target, ...]] = ()
+    source_patched_fingerprints: ClassVar[dict[str, dict[str, str]]] = {}
+    fault_evidence: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self._saved: dict[Target, Any] = {}
 
     @property
     def supported_releases(self) -> tuple[str, ...]:
@@ -156,8 +165,15 @@ class Patch(ABC):
         return tuple(self.wrappers())
 
     def needed(self) -> tuple[bool, str]:
-        """Whether the installed code still has the fault, and the evidence for the answer."""
-        return True, ""
+        """Whether the installed code still has the fault, and the evidence for the answer: not
+        needed where every function in :attr:`source_patched_targets` is the source-patched code
+        of one release. Patches that probe the code's behaviour instead override this."""
+        found = {t.qualname: fingerprint(t.original()) for t in self.source_patched_targets}
+        releases = [r for r, fixed in self.source_patched_fingerprints.items() if found and fixed == found]
+        if releases:
+            names = ", ".join(f"{qualname.split('.')[-1]} {digest}" for qualname, digest in found.items())
+            return False, f"fingerprints {names} are the source-patched code of patches/ for {', '.join(releases)}"
+        return True, self.fault_evidence
 
     # -- state -------------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ still shows what happened up to that step.
 
 from __future__ import annotations
 
-import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field

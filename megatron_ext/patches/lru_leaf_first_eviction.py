@@ -335,10 +335,8 @@ def probe_eviction_order(evict: Callable) -> tuple[bool, str]:
 class LeafFirstEvictionPatch(Patch):
     """Backports 0.19's leaf-first LRU eviction to 0.17/0.18 (see module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.name = "lru-leaf-first-eviction"
-        self.fingerprints = FINGERPRINTS
+    name = "lru-leaf-first-eviction"
+    fingerprints = FINGERPRINTS
 
     def wrappers(self) -> dict[Target, Callable]:
         return {INIT: _init_wrapper, REGISTER: _register_wrapper, DEREGISTER: _deregister_wrapper,

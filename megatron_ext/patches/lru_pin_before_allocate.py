@@ -109,10 +109,8 @@ def _check_availability_wrapper(wrapped: Callable, context: Any, args: tuple, kw
 class PinBeforeAllocatePatch(Patch):
     """Pins matched blocks before ``add_request`` allocates, 0.17/0.18 (see module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.name = "lru-pin-before-allocate"
-        self.fingerprints = FINGERPRINTS
+    name = "lru-pin-before-allocate"
+    fingerprints = FINGERPRINTS
 
     def wrappers(self) -> dict[Target, Callable]:
         return {ADD_REQUEST: _add_request_wrapper, CHECK_AVAILABILITY: _check_availability_wrapper}

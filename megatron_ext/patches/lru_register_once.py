@@ -77,10 +77,8 @@ def probe_double_registration(register: Callable) -> tuple[bool, str]:
 class RegisterOncePatch(Patch):
     """Makes 0.19's ``register_kv_block_hashes`` idempotent (see module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.name = "lru-register-once"
-        self.fingerprints = FINGERPRINTS
+    name = "lru-register-once"
+    fingerprints = FINGERPRINTS
 
     def wrappers(self) -> dict[Target, Callable]:
         return {REGISTER: _register_wrapper}

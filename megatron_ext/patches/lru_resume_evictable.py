@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..mcore import DYNAMIC_CONTEXT_MODULE, KV_BLOCK_ALLOCATOR_MODULE, uses_lru_prefix_caching
-from ..patching import Patch, Target, fingerprint
+from ..patching import Patch, Target
 
 RESUME = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.resume_paused_requests")
 EVICTABLE = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.get_evictable_block_count")
@@ -35,7 +35,8 @@ FINGERPRINTS = {release: _RESUME for release in
 
 #: ``resume_paused_requests`` after the source patches of ``patches/`` (already fixed code);
 #: recorded with ``scripts/record_fingerprints.py --source-patched``.
-SOURCE_PATCHED_FINGERPRINTS: dict[str, str] = {release: "2adedff833ff161a" for release in FINGERPRINTS}
+SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
+    release: {"DynamicInferenceContext.resume_paused_requests": "2adedff833ff161a"} for release in FINGERPRINTS}
 
 
 def resumable_request_count(context: Any, active_request_count: int, block_budget: int) -> int:
@@ -90,22 +91,14 @@ def _resume_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
 class ResumeEvictablePatch(Patch):
     """Lets paused requests resume into evictable cached blocks (see module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.name = "lru-resume-evictable"
-        self.fingerprints = FINGERPRINTS
+    name = "lru-resume-evictable"
+    fingerprints = FINGERPRINTS
+    source_patched_targets = (RESUME,)
+    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
+    fault_evidence = "no megatron-core release up to 0.19.2 counts evictable blocks when resuming"
 
     def wrappers(self) -> dict[Target, Callable]:
         return {RESUME: _resume_wrapper}
 
     def checked_functions(self) -> tuple[Target, ...]:
         return (RESUME, EVICTABLE)
-
-    def needed(self) -> tuple[bool, str]:
-        """Not needed only where ``resume_paused_requests`` is megatron-ext's source-patched code."""
-        found = fingerprint(RESUME.original())
-        releases = [r for r, fixed in SOURCE_PATCHED_FINGERPRINTS.items() if fixed == found]
-        if releases:
-            return False, (f"resume_paused_requests fingerprint {found} is the source-patched code "
-                           f"of patches/ for {', '.join(releases)}")
-        return True, "no megatron-core release up to 0.19.2 counts evictable blocks when resuming"

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..mcore import DYNAMIC_CONTEXT_MODULE
-from ..patching import Patch, Target, fingerprint
+from ..patching import Patch, Target
 
 ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
@@ -60,13 +60,13 @@ FINGERPRINTS = {
 #: --source-patched): code that already has the fix, so the runtime patch is not needed. The
 #: whole series applies, so these include the later patches that edit add_request too (fixes 4
 #: and 8).
-SOURCE_PATCHED_FINGERPRINTS = {
-    "0.17.0": "e3ba4f324bc80659",
-    "0.17.1": "e3ba4f324bc80659",
-    "0.18.0": "8ccc0da34876dc63",
-    "0.18.2": "8ccc0da34876dc63",
-    "0.19.0": "dfe84e8bedd5fac2",
-    "0.19.2": "dfe84e8bedd5fac2",
+SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
+    "0.17.0": {"DynamicInferenceContext.add_request": "e3ba4f324bc80659"},
+    "0.17.1": {"DynamicInferenceContext.add_request": "e3ba4f324bc80659"},
+    "0.18.0": {"DynamicInferenceContext.add_request": "8ccc0da34876dc63"},
+    "0.18.2": {"DynamicInferenceContext.add_request": "8ccc0da34876dc63"},
+    "0.19.0": {"DynamicInferenceContext.add_request": "dfe84e8bedd5fac2"},
+    "0.19.2": {"DynamicInferenceContext.add_request": "dfe84e8bedd5fac2"},
 }
 
 
@@ -148,22 +148,14 @@ def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: d
 class MatchedBlockWritesPatch(Patch):
     """Wraps ``DynamicInferenceContext.add_request`` (see module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.name = "matched-block-writes"
-        self.fingerprints = FINGERPRINTS
+    name = "matched-block-writes"
+    fingerprints = FINGERPRINTS
+    source_patched_targets = (ADD_REQUEST,)
+    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
+    fault_evidence = "no megatron-core release up to 0.19.2 carries the upstream fix"
 
     def wrappers(self) -> dict[Target, Callable]:
         return {ADD_REQUEST: _add_request_wrapper}
 
     def checked_functions(self) -> tuple[Target, ...]:
         return (ADD_REQUEST, COMPUTE_PREFIX_MATCH)
-
-    def needed(self) -> tuple[bool, str]:
-        """Not needed only where ``add_request`` is megatron-ext's source-patched code."""
-        found = fingerprint(ADD_REQUEST.original())
-        releases = [r for r, fixed in SOURCE_PATCHED_FINGERPRINTS.items() if fixed == found]
-        if releases:
-            return False, (f"add_request fingerprint {found} is the source-patched code of "
-                           f"patches/ for {', '.join(releases)}")
-        return True, "no megatron-core release up to 0.19.2 carries the upstream fix"

@@ -233,10 +233,8 @@ def probe_release_semantics(release: Callable) -> tuple[bool, str]:
 class ReleaseRefCountPatch(Patch):
     """Wraps ``KVBlockAllocator.release_memory_blocks`` (see module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.name = "release-refcount"
-        self.fingerprints = FINGERPRINTS
+    name = "release-refcount"
+    fingerprints = FINGERPRINTS
 
     def wrappers(self) -> dict[Target, Callable]:
         return {RELEASE: _release_wrapper}

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..mcore import DYNAMIC_ENGINE_MODULE, TEXT_GENERATION_CONTROLLER_MODULE
-from ..patching import Patch, PatchResult, PatchState, Target, fingerprint
+from ..patching import Patch, PatchResult, PatchState, Target
 
 POST_PROCESS = Target(DYNAMIC_ENGINE_MODULE, "DynamicInferenceEngine.post_process_requests")
 GET_REQUEST = Target(DYNAMIC_ENGINE_MODULE, "DynamicInferenceEngine.get_request")
@@ -72,13 +72,13 @@ FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V0
 
 #: ``post_process_requests`` after the source patch of ``patches/`` (scripts/record_fingerprints.py
 #: --source-patched): code that already files the entries by position.
-SOURCE_PATCHED_FINGERPRINTS = {
-    "0.17.0": "ac14d9f6cf637d24",
-    "0.17.1": "ac14d9f6cf637d24",
-    "0.18.0": "6a85f95f0c2e21e9",
-    "0.18.2": "6a85f95f0c2e21e9",
-    "0.19.0": "e159a7427c8dc75b",
-    "0.19.2": "e159a7427c8dc75b",
+SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
+    "0.17.0": {"DynamicInferenceEngine.post_process_requests": "ac14d9f6cf637d24"},
+    "0.17.1": {"DynamicInferenceEngine.post_process_requests": "ac14d9f6cf637d24"},
+    "0.18.0": {"DynamicInferenceEngine.post_process_requests": "6a85f95f0c2e21e9"},
+    "0.18.2": {"DynamicInferenceEngine.post_process_requests": "6a85f95f0c2e21e9"},
+    "0.19.0": {"DynamicInferenceEngine.post_process_requests": "e159a7427c8dc75b"},
+    "0.19.2": {"DynamicInferenceEngine.post_process_requests": "e159a7427c8dc75b"},
 }
 
 
@@ -189,10 +189,12 @@ def _post_process_wrapper(wrapped: Callable, engine: Any, args: tuple, kwargs: d
 class TopNPrefillChunksPatch(Patch):
     """Files each step's top-n log-probs by position (see module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.name = "top-n-prefill-chunks"
-        self.fingerprints = FINGERPRINTS
+    name = "top-n-prefill-chunks"
+    fingerprints = FINGERPRINTS
+    source_patched_targets = (POST_PROCESS,)
+    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
+    fault_evidence = ("no megatron-core release up to 0.19.2 (nor Megatron-LM main of 2026-08-22) "
+                      "files top-n log-probs by position")
 
     def wrappers(self) -> dict[Target, Callable]:
         return {POST_PROCESS: _post_process_wrapper}
@@ -208,13 +210,3 @@ class TopNPrefillChunksPatch(Patch):
             return self.result(PatchState.NOT_APPLIED, "megatron-core is being imported and its dynamic "
                                "engine is not loaded yet; MEGATRON_EXT_AUTO applies this patch once it is")
         return super().plan(version, force)
-
-    def needed(self) -> tuple[bool, str]:
-        """Not needed only where ``post_process_requests`` is megatron-ext's source-patched code."""
-        found = fingerprint(POST_PROCESS.original())
-        releases = [r for r, fixed in SOURCE_PATCHED_FINGERPRINTS.items() if fixed == found]
-        if releases:
-            return False, (f"post_process_requests fingerprint {found} is the source-patched code "
-                           f"of patches/ for {', '.join(releases)}")
-        return True, ("no megatron-core release up to 0.19.2 (nor Megatron-LM main of 2026-08-22) "
-                      "files top-n log-probs by position")

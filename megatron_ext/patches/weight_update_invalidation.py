@@ -53,7 +53,7 @@ import torch
 
 from .. import mcore
 from ..env import choice
-from ..patching import Patch, PatchResult, PatchState, Target, fingerprint
+from ..patching import Patch, PatchResult, PatchState, Target
 
 ON_WEIGHT_UPDATE_ENV = "MEGATRON_EXT_ON_WEIGHT_UPDATE"
 ON_WEIGHT_UPDATE_MODES = ("invalidate", "keep")
@@ -261,10 +261,12 @@ def _swap_wrapper(wrapped: Callable, _instance: Any, args: tuple, kwargs: dict):
 class WeightUpdateInvalidationPatch(Patch):
     """Flushes the prefix cache at each weight update (see module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.name = "weight-update-invalidation"
-        self.fingerprints = FINGERPRINTS
+    name = "weight-update-invalidation"
+    fingerprints = FINGERPRINTS
+    source_patched_targets = (FIND_MATCH, REINITIALIZE, ADD_REQUEST)
+    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
+    fault_evidence = ("no megatron-core release up to 0.19.2 (nor upstream main) drops or salts the "
+                      "prefix cache when weights change")
 
     def wrappers(self) -> dict[Target, Callable]:
         return {FIND_MATCH: _find_match_wrapper, REINITIALIZE: _reinitialize_wrapper}
@@ -272,18 +274,6 @@ class WeightUpdateInvalidationPatch(Patch):
     def checked_functions(self) -> tuple[Target, ...]:
         return (*self.wrappers(), ADD_REQUEST, DEREGISTER, RELEASE)
 
-    def needed(self) -> tuple[bool, str]:
-        """Not needed only where the three functions the source patch changes (the two this patch
-        wraps, and ``add_request``) are megatron-ext's source-patched code (``patches/``) of one
-        release."""
-        found = {t.qualname: fingerprint(t.original()) for t in (FIND_MATCH, REINITIALIZE, ADD_REQUEST)}
-        releases = [r for r, fixed in SOURCE_PATCHED_FINGERPRINTS.items() if fixed == found]
-        if releases:
-            names = ", ".join(f"{name.split('.')[-1]} {digest}" for name, digest in found.items())
-            return False, (f"fingerprints {names} are the source-patched code of patches/ for "
-                           f"{', '.join(releases)}")
-        return True, ("no megatron-core release up to 0.19.2 (nor upstream main) drops or salts the "
-                      "prefix cache when weights change")
 
     def plan(self, version: str, force: bool) -> PatchResult:
         if on_weight_update_mode() == "keep" and not self.is_applied():
