@@ -15,6 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.release_independent
+
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "scripts" / "bench.py"
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.release_independent
+
 #: Column headers of the report's tables, each of which must appear whole on one line.
 HEADERS = ("tokens equal", "log-probs equal", "first divergent step", "first divergent token",
            "max |Δ log-prob|", "prefill tokens skipped", "prefill tokens computed", "KV writes checked",
@@ -106,7 +108,7 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path, when):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_EXT_")}
     env["TMPDIR"] = str(tmp_path)
     with (tmp_path / "out.txt").open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "megatron_ext", "soak", "--requests", "200"],
+        process = subprocess.Popen([sys.executable, "-m", "megatron_ext", "soak", "--requests", "60"],
                                    stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 300
         while not when(tmp_path) and time.monotonic() < deadline:
