@@ -34,6 +34,7 @@ from .context_factory import BLOCK, finish_chunk, make_request
 A = list(range(1000, 1032))
 B = list(range(2000, 2032))
 C = list(range(3000, 3016))
+D = list(range(4000, 4016))
 DUMMY = 4  # the dummy block of a 4-block pool
 KV_BYTES_PER_BLOCK = 2 * 2 * BLOCK * 4 * 16 * 4  # K and V, 2 layers, 16 tokens, 4 heads x 16, fp32
 
@@ -185,6 +186,33 @@ def test_fault6_paused_request_resumes_into_an_evictable_block(lru_patches):
         assert 3 not in cached(ctx) and c1 not in allocator.kv_hash_to_block_id
         assert allocator.block_ref_counts.tolist() == [1, 1, 1, 1, 0]
         assert ctx.request_kv_block_counts[0] == 4 and ctx.request_last_kv_block_id[0] == 3
+
+
+def test_fault6_evicts_only_the_blocks_resumed_requests_take(lru_patches):
+    # Two paused requests, an empty free pool, two cached blocks: only the request whose next
+    # token crosses a block boundary takes a block, so one cached block is evicted, not two (#5995)
+    (c1,), (d1,) = hashes(C), hashes(D)
+    full = list(range(6000, 6016))  # one full block, registered while held
+    (f1,) = hashes(full)
+    with four_block_lru_context() as ctx:
+        step(ctx, (1, C))  # C -> block 3, cached at ts 1
+        step(ctx, (2, D))  # D -> block 2, cached at ts 2
+        ctx.prefix_cache_lru_clock += 1
+        ctx.add_request(make_request(3, full))  # -> [1]: its next token needs a block
+        ctx.add_request(make_request(4, list(range(7000, 7010))))  # -> [0]: room for 6 more tokens
+        allocator = ctx.kv_block_allocator
+        assert free_ids(allocator) == [] and cached(ctx) == {1: f1, 2: d1, 3: c1}
+        ctx.paused_request_count = 2  # update_requests paused both
+        ctx.prefix_cache_lru_clock += 1
+        active, still_paused = ctx.resume_paused_requests(0, torch.tensor([3, 4]))
+        # Released code: (0, [3, 4]): nothing resumes. The patch before #5995's bound evicted
+        # both cached blocks (one per resumed request) and left block 2 free.
+        assert (active, still_paused.tolist(), ctx.paused_request_count) == (2, [], 0)
+        assert table(ctx, 2, row=0) == [1, 3] and table(ctx, 1, row=1) == [0]  # C's block 3, the older
+        assert cached(ctx) == {1: f1, 2: d1} and allocator.kv_hash_to_block_id == {f1: 1, d1: 2}
+        assert free_ids(allocator) == [] and allocator.block_ref_counts.tolist() == [1, 1, 0, 1, 0]
+        assert ctx.request_kv_block_counts[:2].tolist() == [2, 1]
+        assert ctx.request_last_kv_block_id[:2].tolist() == [3, 0]
 
 
 def test_fault6_nothing_is_evicted_when_the_free_pool_suffices(lru_patches):

@@ -8,16 +8,17 @@ free block a request that crosses a block boundary stays paused (with the defaul
 budget of 0 it is evicted and recomputed from scratch), and once no request is active the step
 fails ``active_request_count == 0 with no hidden chunked prefill``. Present in 0.17 to 0.19.
 
-The fix counts evictable blocks as available, as Megatron-LM main #5995 (2026-07-31, in no
-release) does, and nothing more: before the released ``resume_paused_requests`` runs, cached
-blocks are evicted (leaf first, by ``evict_lru_blocks``) into the free pool until it covers the
-requests the released bounds would resume if the free pool counted evictable blocks too. The
-released code then resumes exactly those requests and its assertion holds.
+The fix mirrors Megatron-LM main #5995 (2026-07-31, in no release): paused requests resume while
+the new blocks they take (not their number) fit the free pool plus the evictable cached blocks,
+and exactly the missing blocks are evicted (leaf first, by ``evict_lru_blocks``) before they are
+allocated; a resumed request that needs no new block costs no cache hit. Only where the released
+bound can bind (LRU, a free pool smaller than the paused request count) does the patch replace
+``resume_paused_requests``; everywhere else the released function runs unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -36,56 +37,80 @@ FINGERPRINTS = {release: _RESUME for release in
 #: ``resume_paused_requests`` after the source patches of ``patches/`` (already fixed code);
 #: recorded with ``scripts/record_fingerprints.py --source-patched``.
 SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
-    release: {"DynamicInferenceContext.resume_paused_requests": "2adedff833ff161a"} for release in FINGERPRINTS}
+    release: {"DynamicInferenceContext.resume_paused_requests": "73c5b968c2b2b411"} for release in FINGERPRINTS}
 
 
-def resumable_request_count(context: Any, active_request_count: int, block_budget: int) -> int:
-    """How many paused requests the released ``resume_paused_requests`` resumes, given a free pool
-    of ``block_budget`` blocks.
+def resume_plan(context: Any, active_request_count: int, block_budget: int) -> tuple[int, int]:
+    """How many paused requests resume, and how many new blocks they take.
 
-    The released bounds: requests resume from the right-most paused one while their blocks, plus
-    one for each that needs a new block, fit the active buffer (``get_active_avail``); at most
-    ``block_budget``; at most what ``max_requests`` / ``max_tokens`` leave room for.
+    The released bounds stay: requests resume from the right-most paused one (LIFO) while their
+    blocks, plus one for each that needs a new block, fit the active buffer
+    (``get_active_avail``), and within what ``max_requests`` / ``max_tokens`` leave room for. The
+    bound by the free pool becomes #5995's: the new blocks they take fit ``block_budget``.
+
+    Args:
+        context: a ``DynamicInferenceContext`` with paused requests.
+        active_request_count: as passed to ``resume_paused_requests``.
+        block_budget: blocks the resumed requests may take (free pool plus evictable blocks).
+
+    Returns:
+        ``(requests, new blocks)``, both ints >= 0.
     """
     paused = context.paused_request_count
-    block = context.block_size_tokens
     speculative = getattr(context, "num_speculative_tokens", 0)
     offsets = context.request_last_kv_block_offset[:paused]
-    needs_new_block = (offsets >= block - 1 - speculative).to(context.request_kv_block_counts.dtype)
-    blocks_when_resumed = (context.request_kv_block_counts[:paused] + needs_new_block).flip(dims=[0])
+    # flipped: requests resume from the right-most paused one
+    needs_new_block = (offsets >= context.block_size_tokens - 1 - speculative).to(torch.int64).flip(dims=[0])
+    blocks_when_resumed = context.request_kv_block_counts[:paused].flip(dims=[0]) + needs_new_block
     fit_active_buffer = int(torch.count_nonzero(
         blocks_when_resumed.cumsum(dim=0) <= context.kv_block_allocator.get_active_avail()))
     max_active = min(context.max_requests, context.max_tokens // (speculative + 1))
-    return min(fit_active_buffer, block_budget, max(0, max_active - active_request_count))
+    candidates = min(fit_active_buffer, max(0, max_active - active_request_count))
+    new_blocks = needs_new_block[:candidates].cumsum(dim=0)
+    requests = int(torch.count_nonzero(new_blocks <= block_budget))
+    return requests, int(new_blocks[requests - 1]) if requests else 0
 
 
-def evict_for_paused_requests(context: Any, active_request_count: int) -> int:
-    """Evict cached blocks so the free pool covers what the paused requests can resume into.
+def resume_into_evictable(context: Any, active_request_count: int,
+                          newly_paused_request_ids: Optional[torch.Tensor]) -> tuple[int, Optional[torch.Tensor]]:
+    """``resume_paused_requests`` as #5995 bounds it (see :func:`resume_plan`), for LRU contexts.
 
     Args:
-        context: a ``DynamicInferenceContext`` with LRU prefix caching.
-        active_request_count: as passed to ``resume_paused_requests``.
+        context: a ``DynamicInferenceContext`` under LRU prefix caching.
+        active_request_count: the active request count before resuming.
+        newly_paused_request_ids: int64 request IDs paused by this step (1-D), or ``None``.
 
-    Returns the number of cached blocks evicted (0 when the free pool already suffices).
+    Returns:
+        ``(active request count, newly paused IDs)`` after resuming: the resumed requests' IDs
+        are dropped from the end of ``newly_paused_request_ids`` (requests resume LIFO).
     """
     allocator = context.kv_block_allocator
-    free = allocator.total_avail
-    if free >= context.paused_request_count:  # the released bound by the free pool cannot bind
-        return 0
-    evictable = int(allocator.get_evictable_block_count())
-    if evictable == 0:
-        return 0
-    shortfall = resumable_request_count(context, active_request_count, free + evictable) - free
-    if shortfall <= 0 or not allocator.evict_lru_blocks(shortfall):
-        return 0
-    return shortfall
+    budget = allocator.total_avail + int(allocator.get_evictable_block_count())
+    requests, new_blocks = resume_plan(context, active_request_count, budget)
+    shortfall = new_blocks - allocator.total_avail
+    if requests == 0 or (shortfall > 0 and not allocator.evict_lru_blocks(shortfall)):
+        return active_request_count, newly_paused_request_ids
+    context.paused_request_count -= requests
+    first = context.paused_request_count
+    if new_blocks:
+        offsets = context.request_last_kv_block_offset[first:first + requests]
+        speculative = getattr(context, "num_speculative_tokens", 0)
+        rows = first + torch.nonzero(offsets >= context.block_size_tokens - 1 - speculative).squeeze(1)
+        block_ids = allocator.allocate_memory_blocks(new_blocks)
+        context.request_to_kv_block_ids[rows, context.request_kv_block_counts[rows]] = block_ids
+        context.request_kv_block_counts[rows] += 1
+        context.request_last_kv_block_id[rows] = block_ids
+    if newly_paused_request_ids is not None:
+        newly_paused_request_ids = newly_paused_request_ids[:-requests]
+    return active_request_count + requests, newly_paused_request_ids
 
 
 def _resume_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
-    if context.paused_request_count > 0 and uses_lru_prefix_caching(context.kv_block_allocator):
-        active = kwargs["active_request_count"] if "active_request_count" in kwargs else args[0]
-        evict_for_paused_requests(context, active)
-    return wrapped(*args, **kwargs)
+    allocator = context.kv_block_allocator
+    # the released bound (resumed requests <= free pool) binds only when the pool is short
+    if allocator.total_avail >= context.paused_request_count or not uses_lru_prefix_caching(allocator):
+        return wrapped(*args, **kwargs)
+    return resume_into_evictable(context, *args, **kwargs)
 
 
 class ResumeEvictablePatch(Patch):
