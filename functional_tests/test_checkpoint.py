@@ -186,7 +186,7 @@ def test_tp2_checkpoint_loads_at_tp1(saved_tp2, loaded_at_tp2, tmp_path, capfd):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp", [pytest.param(1, 2, id="pp2", marks=pytest.mark.multirank)])
+@pytest.mark.parametrize("tp, pp", [pytest.param(1, 2, id="pp2", marks=(pytest.mark.multirank, pytest.mark.breadth))])
 def test_tp1_checkpoint_loads_pipeline_parallel(saved_s1, tmp_path, torchrun, tp, pp):
     """Opt-in (``-m multirank``): the TP=1 checkpoint on pipeline stages; each stage reads its
     layers, the first the embedding, the last the output layer; same tokens as TP=1."""

@@ -32,7 +32,7 @@ def _case_param(name: str):
     # No expected failure for memory_pressure on 0.17/0.18 here: at TP=2 (vocabulary padded to the
     # TP size, other tokens) its LRU run does not reach the upstream eviction-order fault that the
     # single-rank case hits; the strict xfail it had XPASSed on 0.17.1 and 0.18.2.
-    return pytest.param(name, marks=pytest.mark.multirank, id=name)
+    return pytest.param(name, marks=(pytest.mark.multirank, pytest.mark.breadth), id=name)
 
 
 @pytest.mark.slow
@@ -44,7 +44,7 @@ def test_shipped_case_tp2(tmp_path, torchrun, case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pp", [pytest.param(1, 2, id="pp2", marks=pytest.mark.multirank),
-                                    pytest.param(2, 2, id="tp2pp2", marks=pytest.mark.multirank)])
+                                    pytest.param(2, 2, id="tp2pp2", marks=(pytest.mark.multirank, pytest.mark.breadth))])
 def test_default_case_pipeline_parallel(tmp_path, torchrun, tp, pp):
     # PP runs on CPU ranks because the CPU backend lets communication_utils send CPU tensors
     # (megatron_ext/cpu_backend/pipeline.py).
