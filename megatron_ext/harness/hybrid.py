@@ -9,15 +9,16 @@ stack's final norm be that local norm while the model is built (:func:`local_fin
 
 Class and argument names by release:
 
-* 0.19: ``megatron.core.models.hybrid``: ``HybridModel(hybrid_stack_spec=..., hybrid_layer_pattern=...)``
+* 0.18, 0.19: ``megatron.core.models.hybrid``: ``HybridModel(hybrid_stack_spec=..., hybrid_layer_pattern=...)``
   around ``HybridStack`` / ``HybridStackSubmodules`` (``hybrid_block``);
-* 0.17, 0.18: ``megatron.core.models.mamba.MambaModel(mamba_stack_spec=..., hybrid_override_pattern=...)``
+* 0.17: ``megatron.core.models.mamba.MambaModel(mamba_stack_spec=..., hybrid_override_pattern=...)``
   around ``MambaStack`` / ``MambaStackSubmodules`` (``megatron.core.ssm.mamba_block``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from typing import Any, Iterator
 
 from .. import mcore
@@ -25,24 +26,26 @@ from ..cpu_backend._swap import AttributeSwap
 from .cases import ModelSpec
 
 
+def _has_hybrid_package() -> bool:
+    """Whether this release has ``megatron.core.models.hybrid`` (``HybridModel``)."""
+    mcore.import_module("megatron.core.models")
+    return importlib.util.find_spec("megatron.core.models.hybrid") is not None
+
+
 def _stack_module() -> tuple[Any, str, str]:
     """``(module, stack class name, submodules class name)`` of this release's hybrid stack."""
-    try:
-        module = mcore.import_module("megatron.core.models.hybrid.hybrid_block")
-        return module, "HybridStack", "HybridStackSubmodules"
-    except ImportError:
-        module = mcore.import_module("megatron.core.ssm.mamba_block")
-        return module, "MambaStack", "MambaStackSubmodules"
+    if _has_hybrid_package():
+        return mcore.import_module("megatron.core.models.hybrid.hybrid_block"), "HybridStack", "HybridStackSubmodules"
+    return mcore.import_module("megatron.core.ssm.mamba_block"), "MambaStack", "MambaStackSubmodules"
 
 
 def model_class() -> tuple[Any, str, str]:
     """``(model class, stack-spec keyword, pattern keyword)`` of this release's hybrid model."""
-    try:
+    if _has_hybrid_package():
         module = mcore.import_module("megatron.core.models.hybrid.hybrid_model")
         return module.HybridModel, "hybrid_stack_spec", "hybrid_layer_pattern"
-    except ImportError:
-        module = mcore.import_module("megatron.core.models.mamba.mamba_model")
-        return module.MambaModel, "mamba_stack_spec", "hybrid_override_pattern"
+    module = mcore.import_module("megatron.core.models.mamba.mamba_model")
+    return module.MambaModel, "mamba_stack_spec", "hybrid_override_pattern"
 
 
 def _local_norm(spec: ModelSpec) -> Any:

@@ -136,7 +136,8 @@ class ModelSpec(_Strict):
                               and getattr(self, f) != type(self).model_fields[f].default)
         if pattern is None:
             if mamba_fields:
-                raise ValueError(f"{', '.join(mamba_fields)} apply to hybrid models only; set "
+                raise ValueError(f"{', '.join(mamba_fields)} {'applies' if len(mamba_fields) == 1 else 'apply'} "
+                                 "to hybrid models only; set "
                                  "hybrid_layer_pattern (e.g. \"M*M\") or remove them")
             return self
         bad = sorted(set(pattern) - set(HYBRID_LAYER_SYMBOLS))
