@@ -60,6 +60,18 @@ if [ "$have" != "$MCORE" ]; then
   [ "$have" = "$MCORE" ] || { echo "bootstrap: megatron-core==$MCORE did not install (have $have)" >&2; exit 1; }
 fi
 
+# Mamba kernels for hybrid models (requirements/mamba.txt): source distributions, CUDA builds
+# skipped (their compiled extensions are stood in for on the CPU); only when the pins change.
+mamba_stamp="$VENV/.megatron-ext-mamba"
+mamba_hash="$(sha256sum "$REPO/requirements/mamba.txt" | cut -d' ' -f1)"
+if [ "$(cat "$mamba_stamp" 2>/dev/null)" != "$mamba_hash" ]; then
+  echo "bootstrap: installing Mamba kernels from source (no CUDA build)" >&2
+  MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE \
+    CAUSAL_CONV1D_FORCE_BUILD=TRUE pip_quiet --no-deps --no-build-isolation \
+    --no-binary mamba-ssm,causal-conv1d -r "$REPO/requirements/mamba.txt"
+  echo "$mamba_hash" > "$mamba_stamp"
+fi
+
 # Bytecode for the modules MEGATRON_EXT_AUTO=1 runs at every interpreter start-up (as pip writes it
 # for an installed wheel): an editable install under PYTHONDONTWRITEBYTECODE=1 would compile them
 # at each start, about 1.5 ms of CPU. Cheap and idempotent (compileall skips up-to-date files).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_ext.harness.cases import (
-    CaseFileError, PlannedRequest, RequestSpec, WorkloadError, load_case, parse_case, plan_requests,
+    CaseFileError, PlannedRequest, dump_case, RequestSpec, WorkloadError, load_case, parse_case, plan_requests,
     shipped_cases, validate_planned,
 )
 from megatron_ext.harness.tokenizer import default_tokenizer
@@ -168,3 +168,33 @@ def test_output_path_in_a_missing_directory_exits_2_before_running(tmp_path, mon
     target = tmp_path / "missing" / "out.json"
     assert cli.main([*command, str(target), "--no-progress"]) == 2
     assert f"{command[-1]} {target}: directory {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
+
+
+_HYBRID = "name: h\nrequests: [{prompt: hi}]\nmodel: {%s}\n"
+
+
+@pytest.mark.parametrize("model, message", [
+    ("hybrid_layer_pattern: 'M*X'", "hybrid_layer_pattern 'M*X': use one symbol per layer from M (Mamba), "
+                                    "* (attention), - (MLP); 'X' is not one"),
+    ("hybrid_layer_pattern: ''", "hybrid_layer_pattern '': use one symbol per layer"),
+    ("hybrid_layer_pattern: '*-'", "has no Mamba layer ('M')"),
+    ("hybrid_layer_pattern: 'M*M', num_layers: 2", "num_layers=2 but hybrid_layer_pattern 'M*M' has 3 layers"),
+    ("hybrid_layer_pattern: 'M*M', mamba_head_dim: 24", "mamba_head_dim=24 must divide 2 * hidden_size = 128"),
+    ("hybrid_layer_pattern: 'M*M', mamba_num_groups: 3", "mamba_num_groups=3 must divide mamba_num_heads=8"),
+    ("hybrid_layer_pattern: 'M*M', mamba_chunk_size: 0", "field 'model.mamba_chunk_size'"),
+    ("mamba_state_dim: 8", "mamba_state_dim applies to hybrid models only; set hybrid_layer_pattern"),
+])
+def test_bad_hybrid_model_fields_are_refused_in_one_line(model, message):
+    with pytest.raises(CaseFileError) as raised:
+        parse_case(_HYBRID % model)
+    assert message in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_hybrid_model_fills_num_layers_and_round_trips():
+    case = parse_case(_HYBRID % "hybrid_layer_pattern: 'M*M-', mamba_chunk_size: 16")
+    assert case.model.is_hybrid and case.model.num_layers == 4
+    assert case.model.effective_mamba_num_heads() == 2 * 64 // 16
+    assert parse_case(dump_case(case)) == case
+    gpt = parse_case(_HYBRID % "num_layers: 2")
+    assert not gpt.model.is_hybrid and parse_case(dump_case(gpt)) == gpt

@@ -193,6 +193,22 @@ class CpuStream(torch.Stream):
 _DEFAULT_STREAM = CpuStream()
 
 
+class CpuDeviceContext:
+    """Stand-in for ``torch.cuda.device(index)``: there is one device, so selecting it does
+    nothing. The Mamba Triton kernels' launchers (``causal_conv1d``, ``megatron.core.ssm.ops``)
+    wrap each launch in ``with torch.cuda.device(x.device.index)``; the real one would initialize
+    CUDA (the index of a CPU tensor is None, which it reads as "the current CUDA device")."""
+
+    def __init__(self, device: Any = None):
+        self.idx = 0
+
+    def __enter__(self) -> "CpuDeviceContext":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
 class _CudaRng:
     """The "CUDA" RNG state that megatron-core saves, seeds and restores, kept on the CPU.
 
@@ -247,7 +263,8 @@ def _cuda_standins(rng: _CudaRng) -> dict[str, Any]:
 
     Building and stepping the engine on 0.17.1 / 0.18.2 / 0.19.2 was seen to call
     ``current_device``, ``Event``, ``Stream`` (0.19), ``get_rng_state`` and ``manual_seed`` /
-    ``manual_seed_all`` (via ``model_parallel_cuda_manual_seed`` and ``torch.manual_seed``); the
+    ``manual_seed_all`` (via ``model_parallel_cuda_manual_seed`` and ``torch.manual_seed``), and
+    (hybrid models, Mamba Triton kernel launchers) ``device``; the
     rest answer the timing, memory and capability queries of other engine paths and harnesses.
     """
     return {
@@ -255,6 +272,7 @@ def _cuda_standins(rng: _CudaRng) -> dict[str, Any]:
         "device_count": lambda: 1,
         "current_device": lambda: 0,
         "set_device": lambda device: None,
+        "device": CpuDeviceContext,
         "synchronize": lambda device=None: None,
         "Event": CpuEvent,
         "Stream": CpuStream,

@@ -263,13 +263,15 @@ def check_device(device: str) -> None:
 
 
 @contextlib.contextmanager
-def backend(device: str) -> Iterator[tuple[bool, str]]:
+def backend(device: str, mamba: bool = False) -> Iterator[tuple[bool, str]]:
     """The compute backend for a run; yields the batch-invariance self-check result.
 
     ``cpu``: megatron-ext's CPU backend with batch-invariant matmuls and its self-check, on one
     intra-op thread (results may depend on the thread count, and the row-wise bf16 products
     stall for milliseconds per call with two threads on a busy 2-core machine).
     ``cuda``: the GPU as it is; bit-identity then relies on the kernels the user configured.
+    ``mamba``: the case is a hybrid model; on the CPU megatron's Mamba kernels then run under
+    Triton's interpreter (:func:`megatron_ext.cpu_backend.mamba_on_cpu`).
 
     Raises:
         DeviceUnavailableError: ``cuda`` asked for but no CUDA device is available.
@@ -285,7 +287,7 @@ def backend(device: str) -> Iterator[tuple[bool, str]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with cpu_backend():
+        with cpu_backend(mamba=mamba):
             yield self_check()
     finally:
         torch.set_num_threads(threads)
@@ -363,7 +365,7 @@ def run_ab(
     dist_timeout()  # a bad MEGATRON_EXT_DIST_TIMEOUT_S is refused before megatron-core is imported
     patch_results = apply() if patched else revert()
     patches = [r.as_dict() for r in patch_results]
-    with backend(device) as invariance:
+    with backend(device, mamba=case.model.is_hybrid) as invariance:
         ensure_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
         model = build_model(case)
         checkpoint = None if load is None else load_checkpoint(model, load, case.name)

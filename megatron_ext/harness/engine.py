@@ -87,7 +87,9 @@ def transformer_config(case: Case) -> Any:
     Megatron-LM architecture fields of :class:`~megatron_ext.harness.cases.ModelSpec` map as
     Megatron-LM maps them (``swiglu``: ``gated_linear_unit`` + SiLU; ``norm_epsilon``:
     ``layernorm_epsilon``); the RoPE and bias-activation fusions are always off (they need
-    Transformer Engine or a GPU compiler).
+    Transformer Engine or a GPU compiler). A hybrid model (``hybrid_layer_pattern``) also gets
+    the case's Mamba sizes (``mamba_state_dim``, ``mamba_head_dim``, ``mamba_num_groups``,
+    ``mamba_num_heads``).
     """
     module = mcore.import_module("megatron.core.transformer.transformer_config")
     spec = case.model
@@ -98,6 +100,9 @@ def transformer_config(case: Case) -> Any:
         optional["pipeline_dtype"] = dtype  # megatron-core requires it with pipeline parallelism
     if spec.swiglu:
         optional.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    if spec.is_hybrid:
+        optional.update(mamba_state_dim=spec.mamba_state_dim, mamba_head_dim=spec.mamba_head_dim,
+                        mamba_num_groups=spec.mamba_num_groups, mamba_num_heads=spec.mamba_num_heads)
     return module.TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -125,8 +130,10 @@ def build_model(case: Case) -> Any:
     """GPTModel with seeded random weights (``case.model.seed``), in eval mode, of the
     architecture ``case.model`` describes (see :class:`~megatron_ext.harness.cases.ModelSpec`).
 
-    Returns a ``megatron.core.models.gpt.GPTModel`` whose parameters have dtype
-    ``case.model.params_dtype``. Calling twice with the same case gives identical weights.
+    Returns a ``megatron.core.models.gpt.GPTModel`` (a hybrid model's ``HybridModel``, 0.17/0.18
+    ``MambaModel``, with megatron-ext's local layer spec: :mod:`megatron_ext.harness.hybrid`)
+    whose parameters have dtype ``case.model.params_dtype``. Calling twice with the same case gives
+    identical weights.
     """
     gpt_model = mcore.import_module("megatron.core.models.gpt.gpt_model")
     layer_specs = mcore.import_module("megatron.core.models.gpt.gpt_layer_specs")
@@ -137,6 +144,13 @@ def build_model(case: Case) -> Any:
     tp, pp = model_parallel_sizes()
     parallel_state = mcore.import_module("megatron.core.parallel_state")
     spec = case.model
+    pre_process = pp == 1 or parallel_state.is_pipeline_first_stage()
+    post_process = pp == 1 or parallel_state.is_pipeline_last_stage()
+    if spec.is_hybrid:
+        from .hybrid import build_hybrid_model
+
+        model = build_hybrid_model(spec, config, padded_vocab_size(spec.vocab_size, tp), pre_process, post_process)
+        return model.to(_DTYPES[case.model.params_dtype]).eval()
     layer_options = {} if spec.normalization == "LayerNorm" else {"normalization": spec.normalization}
     model = gpt_model.GPTModel(
         config=config,
@@ -144,8 +158,8 @@ def build_model(case: Case) -> Any:
             qk_layernorm=spec.qk_layernorm, **layer_options),
         vocab_size=padded_vocab_size(spec.vocab_size, tp),
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=pp == 1 or parallel_state.is_pipeline_first_stage(),
-        post_process=pp == 1 or parallel_state.is_pipeline_last_stage(),
+        pre_process=pre_process,
+        post_process=post_process,
         share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
         position_embedding_type=spec.position_embedding_type,
         rotary_base=spec.rotary_base,
@@ -154,17 +168,24 @@ def build_model(case: Case) -> Any:
     return model.to(_DTYPES[case.model.params_dtype]).eval()
 
 
-def inference_config(case: Case, prefix_caching: bool, eviction_policy: str) -> Any:
+def inference_config(case: Case, prefix_caching: bool, eviction_policy: str,
+                     mamba_inference_state_config: Any = None) -> Any:
     """megatron-core ``InferenceConfig`` from the case's ``inference`` section (and, for weight
-    updates wrapped in ``suspend()`` / ``resume()``, its ``kv_cache_management_mode``)."""
+    updates wrapped in ``suspend()`` / ``resume()``, its ``kv_cache_management_mode``).
+
+    ``mamba_inference_state_config``: a hybrid model's Mamba state shapes and dtypes
+    (:func:`megatron_ext.harness.hybrid.mamba_inference_state_config`); None for a GPT model.
+    ``inference.prefix_caching_mamba_gb`` is passed only when the case sets it."""
     module = mcore.import_module("megatron.core.inference.config")
     updates = case.weight_updates
     optional = {}
+    if mamba_inference_state_config is not None:
+        optional["mamba_inference_state_config"] = mamba_inference_state_config
     if updates is not None and updates.suspend_resume:
         optional["kv_cache_management_mode"] = getattr(module.KVCacheManagementMode,
                                                        updates.kv_cache_management_mode.upper())
     return module.InferenceConfig(
-        **case.inference.model_dump(), **optional,
+        **case.inference.model_dump(exclude_none=True), **optional,
         enable_prefix_caching=prefix_caching,
         prefix_caching_eviction_policy=getattr(module.PrefixCachingEvictionPolicy, eviction_policy.upper()),
     )
@@ -197,8 +218,13 @@ def build_engine(model: Any, case: Case, prefix_caching: bool, eviction_policy: 
     controller = mcore.import_module(
         "megatron.core.inference.text_generation_controllers.text_generation_controller")
     engines = mcore.import_module("megatron.core.inference.engines.dynamic_engine")
+    mamba = None
+    if case.model.is_hybrid:
+        from .hybrid import mamba_inference_state_config
+
+        mamba = mamba_inference_state_config(model, case.model)
     context = dynamic_context.DynamicInferenceContext(
-        model.config, inference_config(case, prefix_caching, eviction_policy))
+        model.config, inference_config(case, prefix_caching, eviction_policy, mamba))
     wrapped = wrapper.GPTInferenceWrapper(model, context)
     text_controller = controller.TextGenerationController(wrapped, engine_tokenizer(tokenizer or default_tokenizer()))
     return engines.DynamicInferenceEngine(text_controller, context), context

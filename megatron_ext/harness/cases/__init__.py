@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib.resources
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -41,6 +41,10 @@ class WorkloadError(MegatronExtError, ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+#: Layer symbols of ``hybrid_layer_pattern`` that megatron-ext's local hybrid spec builds.
+HYBRID_LAYER_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP"}
 
 
 class ModelSpec(_Strict):
@@ -73,6 +77,18 @@ class ModelSpec(_Strict):
       ``init_method_std``: their standard deviation (megatron-core's ``TransformerConfig.init_method_std``;
       None keeps its default, 0.02). Tiny random models give near-uniform next-token log-probs
       at 0.02; around 0.1 they are peaked enough that greedy continuations differ between prompts.
+    * ``hybrid_layer_pattern``: a hybrid (Mamba + attention) model, megatron-core's ``HybridModel``
+      (``MambaModel`` before 0.19) with megatron-ext's local layer spec, one symbol per layer
+      (Megatron-LM's ``--hybrid-override-pattern``): ``M`` Mamba, ``*`` self-attention, ``-``
+      MLP; e.g. ``"M*M"``. ``num_layers`` is the pattern's length (filled in; give it only if equal). None: a
+      GPT model. On the CPU it needs Triton's interpreter (:mod:`megatron_ext.cpu_backend.mamba`).
+    * Mamba sizes (hybrid models only; Megatron-LM's ``--mamba-*`` arguments):
+      ``mamba_state_dim`` (SSM state per head, ``d_state``), ``mamba_head_dim`` (channels per
+      Mamba head), ``mamba_num_groups`` (B/C groups), ``mamba_num_heads`` (None:
+      ``2 * hidden_size / mamba_head_dim``; Mamba width ``mamba_num_heads * mamba_head_dim``), ``mamba_chunk_size`` (the SSM scan's chunk,
+      ``MambaMixer(chunk_size=...)``; Mamba prefix-cache snapshots are taken at block boundaries
+      that are multiples of it), ``mamba_ssm_states_dtype`` (dtype of the inference SSM state and
+      its prefix-cache snapshots; None: megatron-core's default, ``params_dtype``).
     """
 
     num_layers: int = Field(2, ge=1)
@@ -96,6 +112,64 @@ class ModelSpec(_Strict):
     params_dtype: Literal["fp32", "bf16"] = "bf16"
     seed: int = 1234
     init_method_std: Optional[float] = Field(None, gt=0)
+    hybrid_layer_pattern: Optional[str] = None
+    mamba_state_dim: int = Field(16, ge=1)
+    mamba_head_dim: int = Field(16, ge=1)
+    mamba_num_groups: int = Field(1, ge=1)
+    mamba_num_heads: Optional[int] = Field(None, ge=1)
+    mamba_chunk_size: int = Field(128, ge=1)
+    mamba_ssm_states_dtype: Optional[Literal["fp32", "bf16"]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hybrid_num_layers(cls, data: Any) -> Any:
+        # a hybrid model's layer count is its pattern's length: filled in when not given
+        if isinstance(data, dict) and isinstance(data.get("hybrid_layer_pattern"), str) and "num_layers" not in data:
+            data = {**data, "num_layers": max(1, len(data["hybrid_layer_pattern"]))}
+        return data
+
+    @model_validator(mode="after")
+    def _hybrid(self) -> "ModelSpec":
+        pattern = self.hybrid_layer_pattern
+        # set to a non-default value (a dumped GPT case lists every field at its default)
+        mamba_fields = sorted(f for f in self.model_fields_set if f.startswith("mamba_")
+                              and getattr(self, f) != type(self).model_fields[f].default)
+        if pattern is None:
+            if mamba_fields:
+                raise ValueError(f"{', '.join(mamba_fields)} {'applies' if len(mamba_fields) == 1 else 'apply'} "
+                                 "to hybrid models only; set "
+                                 "hybrid_layer_pattern (e.g. \"M*M\") or remove them")
+            return self
+        bad = sorted(set(pattern) - set(HYBRID_LAYER_SYMBOLS))
+        if not pattern or bad:
+            raise ValueError(f"hybrid_layer_pattern {pattern!r}: use one symbol per layer from "
+                             f"{', '.join(f'{k} ({v})' for k, v in HYBRID_LAYER_SYMBOLS.items())}"
+                             + (f"; {''.join(bad)!r} is not one" if bad else ""))
+        if "M" not in pattern:
+            raise ValueError(f"hybrid_layer_pattern {pattern!r} has no Mamba layer ('M'); "
+                             "for a model without Mamba layers drop hybrid_layer_pattern")
+        if self.num_layers != len(pattern):
+            raise ValueError(f"num_layers={self.num_layers} but hybrid_layer_pattern {pattern!r} has "
+                             f"{len(pattern)} layers; drop num_layers or make them agree")
+        if self.mamba_num_heads is None and (2 * self.hidden_size) % self.mamba_head_dim:
+            raise ValueError(f"mamba_head_dim={self.mamba_head_dim} must divide 2 * hidden_size = "
+                             f"{2 * self.hidden_size} (megatron-core's Mamba width), or set mamba_num_heads")
+        heads = self.effective_mamba_num_heads()
+        if heads % self.mamba_num_groups:
+            raise ValueError(f"mamba_num_groups={self.mamba_num_groups} must divide mamba_num_heads={heads}")
+        return self
+
+    @property
+    def is_hybrid(self) -> bool:
+        """A hybrid (Mamba + attention) model: ``hybrid_layer_pattern`` is set."""
+        return self.hybrid_layer_pattern is not None
+
+    def effective_mamba_num_heads(self) -> int:
+        """``mamba_num_heads``, or megatron-core's default ``2 * hidden_size // mamba_head_dim``
+        (then the Mamba width ``d_inner`` is ``2 * hidden_size``; else ``heads * mamba_head_dim``)."""
+        if self.mamba_num_heads is not None:
+            return self.mamba_num_heads
+        return 2 * self.hidden_size // self.mamba_head_dim
 
     @model_validator(mode="after")
     def _consistent(self) -> "ModelSpec":
@@ -125,6 +199,9 @@ class InferenceSpec(_Strict):
     max_tokens: int = Field(512, ge=2)
     max_sequence_length: int = Field(512, ge=2)
     enable_chunked_prefill: bool = False
+    #: hybrid models: memory for the Mamba state snapshots prefix caching restores (GiB; None:
+    #: megatron-core's default, no Mamba prefix cache, so a hybrid model's prompts never skip prefill)
+    prefix_caching_mamba_gb: Optional[float] = Field(None, gt=0)
 
 
 class SamplingSpec(_Strict):

@@ -1,0 +1,164 @@
+"""Build megatron-core's hybrid (Mamba + attention) model with a local layer spec (no Transformer Engine).
+
+megatron-core ships hybrid stack specs built from Transformer Engine modules only
+(``hybrid_stack_spec`` / ``mamba_stack_spec``), and its stack builds the final norm with ``TENorm``
+unconditionally. megatron-ext builds the same layer classes (``MambaLayer`` + ``MambaMixer``,
+``TransformerLayer`` + ``SelfAttention``, ``MLPLayer``) from the pieces of megatron-core's own
+local GPT spec (``get_gpt_layer_local_spec``: its norm, attention and MLP submodules) and lets the
+stack's final norm be that local norm while the model is built (:func:`local_final_norm`).
+
+Class and argument names by release:
+
+* 0.18, 0.19: ``megatron.core.models.hybrid``: ``HybridModel(hybrid_stack_spec=..., hybrid_layer_pattern=...)``
+  around ``HybridStack`` / ``HybridStackSubmodules`` (``hybrid_block``);
+* 0.17: ``megatron.core.models.mamba.MambaModel(mamba_stack_spec=..., hybrid_override_pattern=...)``
+  around ``MambaStack`` / ``MambaStackSubmodules`` (``megatron.core.ssm.mamba_block``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Any, Iterator
+
+from .. import mcore
+from ..cpu_backend._swap import AttributeSwap
+from .cases import ModelSpec
+
+
+def _has_hybrid_package() -> bool:
+    """Whether this release has ``megatron.core.models.hybrid`` (``HybridModel``)."""
+    mcore.import_module("megatron.core.models")
+    return importlib.util.find_spec("megatron.core.models.hybrid") is not None
+
+
+def _stack_module() -> tuple[Any, str, str]:
+    """``(module, stack class name, submodules class name)`` of this release's hybrid stack."""
+    if _has_hybrid_package():
+        return mcore.import_module("megatron.core.models.hybrid.hybrid_block"), "HybridStack", "HybridStackSubmodules"
+    return mcore.import_module("megatron.core.ssm.mamba_block"), "MambaStack", "MambaStackSubmodules"
+
+
+def model_class() -> tuple[Any, str, str]:
+    """``(model class, stack-spec keyword, pattern keyword)`` of this release's hybrid model."""
+    if _has_hybrid_package():
+        module = mcore.import_module("megatron.core.models.hybrid.hybrid_model")
+        return module.HybridModel, "hybrid_stack_spec", "hybrid_layer_pattern"
+    module = mcore.import_module("megatron.core.models.mamba.mamba_model")
+    return module.MambaModel, "mamba_stack_spec", "hybrid_override_pattern"
+
+
+def _local_norm(spec: ModelSpec) -> Any:
+    """The norm class of megatron-core's local GPT spec for ``spec.normalization`` (``WrappedTorchNorm``
+    without Apex; it takes ``config, hidden_size, eps`` like ``TENorm``)."""
+    return _local_gpt_layer(spec).submodules.input_layernorm
+
+
+def _local_gpt_layer(spec: ModelSpec) -> Any:
+    layer_specs = mcore.import_module("megatron.core.models.gpt.gpt_layer_specs")
+    options = {} if spec.normalization == "LayerNorm" else {"normalization": spec.normalization}
+    return layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, **options)
+
+
+def hybrid_stack_spec(spec: ModelSpec) -> Any:
+    """The ``ModuleSpec`` of a hybrid stack made of megatron-core's local (non-TE) modules.
+
+    * ``M``: ``MambaLayer`` (``norm``: the local norm) around ``MambaMixer`` with
+      ``ColumnParallelLinear`` in / ``RowParallelLinear`` out projections and
+      ``chunk_size=spec.mamba_chunk_size``;
+    * ``*``: ``TransformerLayer`` with the local GPT spec's input norm and self-attention, no MLP;
+    * ``-``: ``MLPLayer`` with the local GPT spec's pre-MLP norm and MLP.
+    """
+    spec_utils = mcore.import_module("megatron.core.transformer.spec_utils")
+    mamba_layer = mcore.import_module("megatron.core.ssm.mamba_layer")
+    mamba_mixer = mcore.import_module("megatron.core.ssm.mamba_mixer")
+    mlp_layer = mcore.import_module("megatron.core.ssm.mlp_layer")
+    transformer_layer = mcore.import_module("megatron.core.transformer.transformer_layer")
+    tensor_parallel = mcore.import_module("megatron.core.tensor_parallel")
+    bda = mcore.import_module("megatron.core.fusions.fused_bias_dropout")
+    module, stack, submodules = _stack_module()
+    ModuleSpec = spec_utils.ModuleSpec
+    gpt = _local_gpt_layer(spec).submodules
+    mamba = ModuleSpec(
+        module=mamba_layer.MambaLayer,
+        submodules=mamba_layer.MambaLayerSubmodules(
+            norm=gpt.input_layernorm,
+            mixer=ModuleSpec(
+                module=mamba_mixer.MambaMixer,
+                params={"chunk_size": spec.mamba_chunk_size},
+                submodules=mamba_mixer.MambaMixerSubmodules(
+                    in_proj=tensor_parallel.ColumnParallelLinear,
+                    out_proj=tensor_parallel.RowParallelLinear),
+            ),
+            mamba_bda=bda.get_bias_dropout_add,
+        ),
+    )
+    attention = ModuleSpec(
+        module=transformer_layer.TransformerLayer,
+        submodules=transformer_layer.TransformerLayerSubmodules(
+            input_layernorm=gpt.input_layernorm,
+            self_attention=gpt.self_attention,
+            self_attn_bda=bda.get_bias_dropout_add,
+        ),
+    )
+    mlp = ModuleSpec(
+        module=mlp_layer.MLPLayer,
+        submodules=transformer_layer.TransformerLayerSubmodules(
+            pre_mlp_layernorm=gpt.pre_mlp_layernorm,
+            mlp=gpt.mlp,
+            mlp_bda=bda.get_bias_dropout_add,
+        ),
+    )
+    return ModuleSpec(
+        module=getattr(module, stack),
+        submodules=getattr(module, submodules)(mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp),
+    )
+
+
+@contextlib.contextmanager
+def local_final_norm(spec: ModelSpec) -> Iterator[None]:
+    """While the block runs, the hybrid stack module's ``TENorm`` (its final norm, built
+    unconditionally, and Transformer Engine is not installed) is the local spec's norm.
+
+    The name is only looked up while the stack is constructed: build the model inside the block.
+    """
+    module, _, _ = _stack_module()
+    swap = AttributeSwap()
+    try:
+        swap.set(module, "TENorm", _local_norm(spec))
+        yield
+    finally:
+        swap.restore()
+
+
+def build_hybrid_model(spec: ModelSpec, config: Any, vocab_size: int, pre_process: bool,
+                       post_process: bool) -> Any:
+    """megatron-core's hybrid model (``HybridModel``, 0.17/0.18 ``MambaModel``) for ``spec`` with
+    the local stack spec; ``config`` is its ``TransformerConfig`` (with the Mamba sizes)."""
+    cls, stack_keyword, pattern_keyword = model_class()
+    with local_final_norm(spec):
+        return cls(
+            config=config,
+            **{stack_keyword: hybrid_stack_spec(spec), pattern_keyword: spec.hybrid_layer_pattern},
+            vocab_size=vocab_size,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
+            position_embedding_type=spec.position_embedding_type,
+            rotary_base=spec.rotary_base,
+            rotary_percent=spec.rotary_percent,
+        )
+
+
+def mamba_inference_state_config(model: Any, spec: ModelSpec) -> Any:
+    """megatron-core's ``MambaInferenceStateConfig`` for a built hybrid model, with the case's
+    ``mamba_ssm_states_dtype`` (None: megatron-core's default, the model's dtype)."""
+    import torch
+
+    config = mcore.import_module("megatron.core.inference.config")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    options = {}
+    if spec.mamba_ssm_states_dtype is not None:
+        options["ssm_states_dtype"] = dtypes[spec.mamba_ssm_states_dtype]
+    return config.MambaInferenceStateConfig.from_model(model, **options)
