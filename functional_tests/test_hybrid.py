@@ -56,8 +56,9 @@ print("RESULT " + json.dumps({
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(SERIES == "0.17", reason="0.17.1: the restored request diverges with Mamba chunk 16 "
-                    "(issue 22 H3, metadata rebuilt with chunk 128); needs the H3 patch or a chunk-128 case")
+@pytest.mark.xfail(SERIES == "0.17", raises=AssertionError, strict=True,
+                   reason="0.17: the restored request diverges with Mamba chunk 16 (issue 22 H3: the metadata "
+                   "is rebuilt with chunk 128); XPASS once an H3 patch lands")
 def test_hybrid_prefix_caching_is_bit_identical_with_matches():
     env = {**os.environ, "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
     proc = subprocess.run([sys.executable, "-c", _RUNNER, str(CASE)], cwd=REPO, env=env,
