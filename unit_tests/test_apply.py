@@ -21,6 +21,7 @@ from megatron_ext.patches.weight_update_invalidation import FIND_MATCH
 from megatron_ext.patches.lru_leaf_first_eviction import EVICT
 from megatron_ext.patches.lru_register_once import REGISTER
 from megatron_ext.patches.lru_resume_evictable import RESUME
+from megatron_ext.patches.deregister_own_hash import DEREGISTER
 from megatron_ext.patching import PatchState, installed_patches
 
 from .allocator_factory import make_allocator, pin, ref_counts
@@ -31,6 +32,7 @@ _FAULTS_017_018 = {
     "matched-block-writes": "applicable", "lru-resume-evictable": "applicable",
     "weight-update-invalidation": "applicable",
     "top-n-prefill-chunks": "applicable",
+    "deregister-own-hash": "applicable",
 }
 EXPECTED_STATUS = {
     "0.17": _FAULTS_017_018,
@@ -41,16 +43,21 @@ EXPECTED_STATUS = {
         "matched-block-writes": "applicable", "lru-resume-evictable": "applicable",
         "weight-update-invalidation": "applicable",
         "top-n-prefill-chunks": "applicable",
+        "deregister-own-hash": "applicable",
     },
 }
-TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME)
-PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME],
-                   "0.18": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME],
-                   "0.19": [ADD_REQUEST, REGISTER, RESUME]}
+TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER)
+PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER],
+                   "0.18": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER],
+                   "0.19": [ADD_REQUEST, REGISTER, RESUME, DEREGISTER]}
 #: The wrappers on add_request, outermost first (installed in ALL_PATCHES order).
 ADD_REQUEST_STACK = {"0.17": ["matched-block-writes", "lru-pin-before-allocate"],
                      "0.18": ["matched-block-writes", "lru-pin-before-allocate"],
                      "0.19": ["matched-block-writes"]}
+#: The wrappers on _deregister_blocks, outermost first.
+DEREGISTER_STACK = {"0.17": ["deregister-own-hash", "lru-leaf-first-eviction"],
+                    "0.18": ["deregister-own-hash", "lru-leaf-first-eviction"],
+                    "0.19": ["deregister-own-hash"]}
 
 
 @pytest.fixture(autouse=True)
@@ -97,6 +104,7 @@ def test_apply_wraps_exactly_the_needed_targets_and_revert_restores_them(mcore_s
         assert (target.current() is not original) == patched
         assert target.original() is original
     assert installed_patches(ADD_REQUEST) == ADD_REQUEST_STACK[mcore_series]
+    assert installed_patches(DEREGISTER) == DEREGISTER_STACK[mcore_series]
     reverted = states(megatron_ext.revert())
     assert reverted == {k: ("reverted" if v == "applicable" else "not applied")
                         for k, v in EXPECTED_STATUS[mcore_series].items()}
@@ -208,6 +216,10 @@ def test_changed_target_is_refused_naming_function_and_versions(changed_prefix_m
 RELY_ON_PREFIX_MATCH = {"0.17": ["lru-pin-before-allocate", "matched-block-writes"],
                         "0.18": ["lru-pin-before-allocate", "matched-block-writes"],
                         "0.19": ["matched-block-writes"]}
+#: The wrappers on _deregister_blocks, outermost first.
+DEREGISTER_STACK = {"0.17": ["deregister-own-hash", "lru-leaf-first-eviction"],
+                    "0.18": ["deregister-own-hash", "lru-leaf-first-eviction"],
+                    "0.19": ["deregister-own-hash"]}
 
 
 def test_strict_apply_does_not_raise_for_a_refused_patch_that_skip_leaves_out(changed_prefix_match, monkeypatch,
@@ -311,8 +323,11 @@ def test_environment_variable_applies_the_engine_patch_once_the_engine_is_import
     assert done.stdout.split() == ["matched-block-writes", "top-n-prefill-chunks"]
     lines = [line for line in done.stderr.splitlines() if line.startswith("megatron-ext: ")]
     assert len(lines) == len(ALL_PATCHES) + 1  # each patch once, the engine's twice
-    assert lines[-2].startswith("megatron-ext: top-n-prefill-chunks: not applied (megatron-core is being")
-    assert lines[-1].startswith("megatron-ext: top-n-prefill-chunks: applied (")
+    engine = [line for line in lines if line.startswith("megatron-ext: top-n-prefill-chunks: ")]
+    assert len(engine) == 2
+    assert engine[0].startswith("megatron-ext: top-n-prefill-chunks: not applied (megatron-core is being")
+    assert engine[1].startswith("megatron-ext: top-n-prefill-chunks: applied (")
+    assert lines[-1] == engine[1]  # once the engine module is imported, after every other patch
 
 
 HEAVY_MODULES_LOADED = (  # wrapt: its import alone was 0.09 s, 6x a bare Python start-up

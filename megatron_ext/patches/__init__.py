@@ -1,6 +1,7 @@
 """The runtime patches, in the order they are applied (and reverted last-first)."""
 
 from ..patching import Patch
+from .deregister_own_hash import DeregisterOwnHashPatch
 from .lru_leaf_first_eviction import LeafFirstEvictionPatch
 from .lru_pin_before_allocate import PinBeforeAllocatePatch
 from .lru_register_once import RegisterOncePatch
@@ -20,4 +21,5 @@ ALL_PATCHES: tuple[Patch, ...] = (
     ResumeEvictablePatch(),
     WeightUpdateInvalidationPatch(),
     TopNPrefillChunksPatch(),
+    DeregisterOwnHashPatch(),
 )
