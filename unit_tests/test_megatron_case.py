@@ -63,7 +63,7 @@ def test_every_argument_is_mapped_or_listed_once(tmp_path):
     assert case.name == "gpt_dynamic_inference_tp1_pp1_tiny_prefix_caching_lru"
     assert case.inference.model_dump() == {"block_size_tokens": 16, "buffer_size_gb": 0.002, "max_requests": 16,
                                            "max_tokens": 64, "max_sequence_length": 256,
-                                           "enable_chunked_prefill": True}
+                                           "enable_chunked_prefill": True, "prefix_caching_mamba_gb": None}
     assert case.prefix_caching_eviction_policies == ["lru"]
     assert (case.sampling.temperature, case.sampling.top_k) == (1.0, 1)
     assert [(r.prompt, r.samples, r.num_tokens_to_generate, r.arrival_step) for r in case.requests] == [
