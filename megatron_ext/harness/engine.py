@@ -144,27 +144,29 @@ def build_model(case: Case) -> Any:
     tp, pp = model_parallel_sizes()
     parallel_state = mcore.import_module("megatron.core.parallel_state")
     spec = case.model
-    pre_process = pp == 1 or parallel_state.is_pipeline_first_stage()
-    post_process = pp == 1 or parallel_state.is_pipeline_last_stage()
-    if spec.is_hybrid:
-        from .hybrid import build_hybrid_model
-
-        model = build_hybrid_model(spec, config, padded_vocab_size(spec.vocab_size, tp), pre_process, post_process)
-        return model.to(_DTYPES[case.model.params_dtype]).eval()
-    layer_options = {} if spec.normalization == "LayerNorm" else {"normalization": spec.normalization}
-    model = gpt_model.GPTModel(
+    # the constructor arguments GPTModel and the hybrid model share
+    shared = dict(
         config=config,
-        transformer_layer_spec=layer_specs.get_gpt_layer_local_spec(
-            qk_layernorm=spec.qk_layernorm, **layer_options),
         vocab_size=padded_vocab_size(spec.vocab_size, tp),
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
+        pre_process=pp == 1 or parallel_state.is_pipeline_first_stage(),
+        post_process=pp == 1 or parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
         position_embedding_type=spec.position_embedding_type,
         rotary_base=spec.rotary_base,
         rotary_percent=spec.rotary_percent,
     )
+    if spec.is_hybrid:
+        from .hybrid import build_hybrid_model
+
+        model = build_hybrid_model(spec, **shared)
+    else:
+        layer_options = {} if spec.normalization == "LayerNorm" else {"normalization": spec.normalization}
+        model = gpt_model.GPTModel(
+            transformer_layer_spec=layer_specs.get_gpt_layer_local_spec(
+                qk_layernorm=spec.qk_layernorm, **layer_options),
+            **shared,
+        )
     return model.to(_DTYPES[case.model.params_dtype]).eval()
 
 
@@ -222,7 +224,8 @@ def build_engine(model: Any, case: Case, prefix_caching: bool, eviction_policy: 
     if case.model.is_hybrid:
         from .hybrid import mamba_inference_state_config
 
-        mamba = mamba_inference_state_config(model, case.model)
+        dtype = case.model.mamba_ssm_states_dtype
+        mamba = mamba_inference_state_config(model, None if dtype is None else _DTYPES[dtype])
     context = dynamic_context.DynamicInferenceContext(
         model.config, inference_config(case, prefix_caching, eviction_policy, mamba))
     wrapped = wrapper.GPTInferenceWrapper(model, context)

@@ -131,34 +131,21 @@ def local_final_norm(spec: ModelSpec) -> Iterator[None]:
         swap.restore()
 
 
-def build_hybrid_model(spec: ModelSpec, config: Any, vocab_size: int, pre_process: bool,
-                       post_process: bool) -> Any:
+def build_hybrid_model(spec: ModelSpec, **model_kwargs: Any) -> Any:
     """megatron-core's hybrid model (``HybridModel``, 0.17/0.18 ``MambaModel``) for ``spec`` with
-    the local stack spec; ``config`` is its ``TransformerConfig`` (with the Mamba sizes)."""
+    the local stack spec; ``model_kwargs`` are the constructor arguments it shares with
+    ``GPTModel`` (``config`` with the Mamba sizes, vocabulary, sequence length, stages, embeddings,
+    rotary settings; see :func:`megatron_ext.harness.engine.build_model`)."""
     cls, stack_keyword, pattern_keyword = model_class()
     with local_final_norm(spec):
-        return cls(
-            config=config,
-            **{stack_keyword: hybrid_stack_spec(spec), pattern_keyword: spec.hybrid_layer_pattern},
-            vocab_size=vocab_size,
-            max_sequence_length=spec.max_position_embeddings,
-            pre_process=pre_process,
-            post_process=post_process,
-            share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
-            position_embedding_type=spec.position_embedding_type,
-            rotary_base=spec.rotary_base,
-            rotary_percent=spec.rotary_percent,
-        )
+        return cls(**{stack_keyword: hybrid_stack_spec(spec), pattern_keyword: spec.hybrid_layer_pattern},
+                   **model_kwargs)
 
 
-def mamba_inference_state_config(model: Any, spec: ModelSpec) -> Any:
-    """megatron-core's ``MambaInferenceStateConfig`` for a built hybrid model, with the case's
-    ``mamba_ssm_states_dtype`` (None: megatron-core's default, the model's dtype)."""
-    import torch
-
+def mamba_inference_state_config(model: Any, ssm_states_dtype: Any = None) -> Any:
+    """megatron-core's ``MambaInferenceStateConfig`` for a built hybrid model, with the SSM
+    states (and their prefix-cache snapshots) in ``ssm_states_dtype`` (a ``torch.dtype``; None:
+    megatron-core's default, the model's dtype)."""
     config = mcore.import_module("megatron.core.inference.config")
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    options = {}
-    if spec.mamba_ssm_states_dtype is not None:
-        options["ssm_states_dtype"] = dtypes[spec.mamba_ssm_states_dtype]
+    options = {} if ssm_states_dtype is None else {"ssm_states_dtype": ssm_states_dtype}
     return config.MambaInferenceStateConfig.from_model(model, **options)
