@@ -45,6 +45,19 @@ def runtime_patches():
     megatron_ext.revert()
 
 
+@pytest.fixture(params=["in order", "reversed"])
+def runtime_patches_either_order(request, monkeypatch):
+    """The runtime patches applied in ALL_PATCHES order or reversed (none when unpatched): they
+    must compose in any order. Reverted after the test."""
+    from megatron_ext import api
+    from megatron_ext.patches import ALL_PATCHES
+
+    if request.param == "reversed":
+        monkeypatch.setattr(api, "ALL_PATCHES", tuple(reversed(ALL_PATCHES)))
+    yield [] if UNPATCHED else megatron_ext.apply()
+    megatron_ext.revert()
+
+
 @pytest.fixture
 def nothing_runs(monkeypatch):
     """Make every engine entry point of ``ab`` fail the test: a refusal of bad input that came too

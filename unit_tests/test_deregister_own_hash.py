@@ -13,28 +13,14 @@ with the runtime patches applied in ALL_PATCHES order and reversed.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-import megatron_ext
-from megatron_ext import api
-from megatron_ext.patches import ALL_PATCHES
 from megatron_ext.patches.deregister_own_hash import blocks_with_foreign_hash
 
 from .allocator_factory import free_ids, make_allocator, ref_counts
-from .conftest import UNPATCHED
 
 H, G = 1_000_009, 1_000_004
 OLDER, NEWER, OTHER = 6, 5, 4
-
-
-@pytest.fixture(params=["in order", "reversed"])
-def patches(request, monkeypatch):
-    """The runtime patches applied in ALL_PATCHES order or reversed (none when unpatched)."""
-    if request.param == "reversed":
-        monkeypatch.setattr(api, "ALL_PATCHES", tuple(reversed(ALL_PATCHES)))
-    yield [] if UNPATCHED else megatron_ext.apply()
-    megatron_ext.revert()
 
 
 class Recorder:
@@ -77,7 +63,7 @@ def hashes_of(allocator) -> list[int]:
 
 # -- REF_ZERO: the last owner's release deregisters ------------------------------------------
 
-def test_ref_zero_release_of_older_holder_keeps_newer_entry(patches):
+def test_ref_zero_release_of_older_holder_keeps_newer_entry(runtime_patches_either_order):
     allocator, recorder = one_hash_on_two_blocks("REF_ZERO")
     release(allocator, [OLDER])
     assert allocator.kv_hash_to_block_id == {H: NEWER, G: OTHER}
@@ -93,7 +79,7 @@ def test_ref_zero_release_of_older_holder_keeps_newer_entry(patches):
     assert recorder.calls == [([OLDER], set()), ([NEWER], {H})]
 
 
-def test_ref_zero_release_of_newer_holder_first(patches):
+def test_ref_zero_release_of_newer_holder_first(runtime_patches_either_order):
     allocator, recorder = one_hash_on_two_blocks("REF_ZERO")
     release(allocator, [NEWER])
     assert allocator.kv_hash_to_block_id == {G: OTHER}
@@ -108,7 +94,7 @@ def test_ref_zero_release_of_newer_holder_first(patches):
     assert recorder.calls == [([NEWER], {H}), ([OLDER], {H})]
 
 
-def test_ref_zero_release_of_older_holder_with_others_in_one_call(patches):
+def test_ref_zero_release_of_older_holder_with_others_in_one_call(runtime_patches_either_order):
     """Only the foreign hash is withheld: G (own entry) goes, and so does an unhashed block."""
     allocator, recorder = one_hash_on_two_blocks("REF_ZERO")
     assert allocator.allocate_memory_blocks(1).tolist() == [3]  # unhashed (a partial block)
@@ -122,7 +108,7 @@ def test_ref_zero_release_of_older_holder_with_others_in_one_call(patches):
     assert sorted(ids) == [3, OTHER, OLDER] and dropped == {G}
 
 
-def test_ref_zero_release_of_both_holders_in_one_call_drops_the_entry(patches):
+def test_ref_zero_release_of_both_holders_in_one_call_drops_the_entry(runtime_patches_either_order):
     allocator, recorder = one_hash_on_two_blocks("REF_ZERO")
     release(allocator, [OLDER, NEWER])
     assert allocator.kv_hash_to_block_id == {G: OTHER}
@@ -134,7 +120,7 @@ def test_ref_zero_release_of_both_holders_in_one_call_drops_the_entry(patches):
 
 # -- LRU: released blocks stay cached; eviction deregisters -----------------------------------
 
-def test_lru_eviction_of_older_holder_keeps_newer_entry(patches):
+def test_lru_eviction_of_older_holder_keeps_newer_entry(runtime_patches_either_order):
     allocator, recorder = one_hash_on_two_blocks("LRU")
     release(allocator, [OLDER, NEWER, OTHER])  # all cached (ref count 0, hashed)
     assert free_ids(allocator) == [0, 1, 2, 3]
@@ -152,7 +138,7 @@ def test_lru_eviction_of_older_holder_keeps_newer_entry(patches):
     assert recorder.calls == [([OLDER], set()), ([NEWER], {H})]
 
 
-def test_lru_eviction_of_newer_holder_first(patches):
+def test_lru_eviction_of_newer_holder_first(runtime_patches_either_order):
     allocator, recorder = one_hash_on_two_blocks("LRU")
     release(allocator, [OLDER, NEWER, OTHER])
     allocator.context.prefix_cache_lru_clock = 9
@@ -170,7 +156,7 @@ def test_lru_eviction_of_newer_holder_first(patches):
     assert recorder.calls == [([NEWER], {H}), ([OTHER], {G}), ([OLDER], {H})]
 
 
-def test_lru_newer_holder_stays_matchable_and_evictable_after_older_goes(patches):
+def test_lru_newer_holder_stays_matchable_and_evictable_after_older_goes(runtime_patches_either_order):
     """The cached block whose entry the released code dropped: still found by its hash, and
     evicted like any cached block (not left cached with no entry)."""
     allocator, _ = one_hash_on_two_blocks("LRU")

@@ -20,15 +20,11 @@ import contextlib
 import pytest
 import torch
 
-import megatron_ext
-from megatron_ext import api
 from megatron_ext.cpu_backend import cuda_on_cpu
 from megatron_ext.harness.factories import small_prefix_caching_context
-from megatron_ext.patches import ALL_PATCHES
 from megatron_ext.patches.lru_leaf_first_eviction import PrefixForestError, evict_leaves_first, prefix_forest
 
 from .allocator_factory import free_ids, make_allocator
-from .conftest import UNPATCHED
 from .context_factory import BLOCK, finish_chunk, make_request
 
 A = list(range(1000, 1032))
@@ -41,15 +37,6 @@ KV_BYTES_PER_BLOCK = 2 * 2 * BLOCK * 4 * 16 * 4  # K and V, 2 layers, 16 tokens,
 
 def hashes(tokens: list[int]) -> list[int]:
     return make_request(0, tokens).precomputed_block_hashes
-
-
-@pytest.fixture(params=["in order", "reversed"])
-def lru_patches(request, monkeypatch):
-    """The runtime patches applied in ALL_PATCHES order or reversed (none when unpatched)."""
-    if request.param == "reversed":
-        monkeypatch.setattr(api, "ALL_PATCHES", tuple(reversed(ALL_PATCHES)))
-    yield [] if UNPATCHED else megatron_ext.apply()
-    megatron_ext.revert()
 
 
 @contextlib.contextmanager
@@ -89,7 +76,7 @@ def table(ctx, count: int, row: int = 0) -> list[int]:
     return ctx.request_to_kv_block_ids[row][:count].tolist()
 
 
-def test_fault3_parent_outlives_its_cached_child(lru_patches):
+def test_fault3_parent_outlives_its_cached_child(runtime_patches_either_order):
     a1, a2 = hashes(A)
     b1, b2 = hashes(B)
     (c1,) = hashes(C)
@@ -113,7 +100,7 @@ def test_fault3_parent_outlives_its_cached_child(lru_patches):
         assert free_ids(allocator) == []
 
 
-def test_fault4_matched_blocks_are_pinned_before_allocating(lru_patches):
+def test_fault4_matched_blocks_are_pinned_before_allocating(runtime_patches_either_order):
     a1, a2 = hashes(A)
     with four_block_lru_context() as ctx:
         step(ctx, (1, A))  # [2, 3], ts 1: the oldest cached blocks
@@ -132,7 +119,7 @@ def test_fault4_matched_blocks_are_pinned_before_allocating(lru_patches):
         assert allocator.block_timestamps.tolist() == [3, 3, 3, 3, 0]
 
 
-def test_fault4_check_availability_does_not_count_unpinned_matches_as_evictable(lru_patches):
+def test_fault4_check_availability_does_not_count_unpinned_matches_as_evictable(runtime_patches_either_order):
     with four_block_lru_context() as ctx:
         step(ctx, (1, A))
         step(ctx, (2, B))
@@ -144,7 +131,7 @@ def test_fault4_check_availability_does_not_count_unpinned_matches_as_evictable(
         assert ctx.total_request_count == 0
 
 
-def test_fault5_matched_block_registered_again_by_the_next_chunk(lru_patches):
+def test_fault5_matched_block_registered_again_by_the_next_chunk(runtime_patches_either_order):
     a1, a2 = hashes(A)
     with four_block_lru_context() as ctx:
         step(ctx, (1, A))  # A -> [2, 3], cached
@@ -166,7 +153,7 @@ def test_fault5_matched_block_registered_again_by_the_next_chunk(lru_patches):
         assert free_ids(allocator) == [0, 1, 2, 3]
 
 
-def test_fault6_paused_request_resumes_into_an_evictable_block(lru_patches):
+def test_fault6_paused_request_resumes_into_an_evictable_block(runtime_patches_either_order):
     (c1,) = hashes(C)
     prompt = A + list(range(6000, 6016))  # 48 tokens: 3 full blocks, the last token at offset 15
     with four_block_lru_context() as ctx:
@@ -188,7 +175,7 @@ def test_fault6_paused_request_resumes_into_an_evictable_block(lru_patches):
         assert ctx.request_kv_block_counts[0] == 4 and ctx.request_last_kv_block_id[0] == 3
 
 
-def test_fault6_evicts_only_the_blocks_resumed_requests_take(lru_patches):
+def test_fault6_evicts_only_the_blocks_resumed_requests_take(runtime_patches_either_order):
     # Two paused requests, an empty free pool, two cached blocks: only the request whose next
     # token crosses a block boundary takes a block, so one cached block is evicted, not two (#5995)
     (c1,), (d1,) = hashes(C), hashes(D)
@@ -215,7 +202,7 @@ def test_fault6_evicts_only_the_blocks_resumed_requests_take(lru_patches):
         assert ctx.request_last_kv_block_id[:2].tolist() == [3, 0]
 
 
-def test_fault6_nothing_is_evicted_when_the_free_pool_suffices(lru_patches):
+def test_fault6_nothing_is_evicted_when_the_free_pool_suffices(runtime_patches_either_order):
     with four_block_lru_context() as ctx:
         step(ctx, (1, C))  # C -> block 3, cached
         ctx.prefix_cache_lru_clock += 1
