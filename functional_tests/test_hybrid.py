@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from functional_tests.conftest import SERIES
 
 REPO = Path(__file__).resolve().parents[1]
 CASE = REPO / "functional_tests" / "cases" / "hybrid_tiny.yaml"
@@ -56,9 +55,6 @@ print("RESULT " + json.dumps({
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(SERIES == "0.17", raises=AssertionError, strict=True,
-                   reason="0.17: the restored request diverges with Mamba chunk 16 (issue 22 H3: the metadata "
-                   "is rebuilt with chunk 128); XPASS once an H3 patch lands")
 def test_hybrid_prefix_caching_is_bit_identical_with_matches():
     env = {**os.environ, "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
     proc = subprocess.run([sys.executable, "-c", _RUNNER, str(CASE)], cwd=REPO, env=env,

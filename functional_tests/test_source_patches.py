@@ -62,12 +62,13 @@ def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(ver
         name: "not needed" for name in (
             "release-refcount", "lru-leaf-first-eviction", "lru-register-once",
             "lru-pin-before-allocate", "matched-block-writes", "lru-resume-evictable",
-            "weight-update-invalidation", "top-n-prefill-chunks", "deregister-own-hash")}
+            "weight-update-invalidation", "top-n-prefill-chunks", "deregister-own-hash",
+            "mamba-chunk-size")}
     tests = run_with(tree, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                      "unit_tests/test_release_refcount.py", "unit_tests/test_matched_block_writes.py",
                      "unit_tests/test_faults.py", "unit_tests/test_lru_faults.py",
                      "unit_tests/test_weight_update_invalidation.py", "unit_tests/test_top_n_prefill_chunks.py",
-                     "unit_tests/test_deregister_own_hash.py")
+                     "unit_tests/test_deregister_own_hash.py", "unit_tests/test_mamba_chunk_size.py")
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and "failed" not in tests.stdout
 

@@ -35,8 +35,8 @@ _FAULTS_017_018 = {
     "deregister-own-hash": "applicable",
 }
 EXPECTED_STATUS = {
-    "0.17": _FAULTS_017_018,
-    "0.18": _FAULTS_017_018,
+    "0.17": {**_FAULTS_017_018, "mamba-chunk-size": "applicable"},
+    "0.18": {**_FAULTS_017_018, "mamba-chunk-size": "not needed"},
     "0.19": {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
@@ -44,6 +44,7 @@ EXPECTED_STATUS = {
         "weight-update-invalidation": "applicable",
         "top-n-prefill-chunks": "applicable",
         "deregister-own-hash": "applicable",
+        "mamba-chunk-size": "not needed",
     },
 }
 TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER)

@@ -6,6 +6,7 @@ from .lru_leaf_first_eviction import LeafFirstEvictionPatch
 from .lru_pin_before_allocate import PinBeforeAllocatePatch
 from .lru_register_once import RegisterOncePatch
 from .lru_resume_evictable import ResumeEvictablePatch
+from .mamba_chunk_size import MambaChunkSizePatch
 from .matched_block_writes import MatchedBlockWritesPatch
 from .release_refcount import ReleaseRefCountPatch
 from .weight_update_invalidation import WeightUpdateInvalidationPatch
@@ -22,4 +23,5 @@ ALL_PATCHES: tuple[Patch, ...] = (
     WeightUpdateInvalidationPatch(),
     TopNPrefillChunksPatch(),
     DeregisterOwnHashPatch(),
+    MambaChunkSizePatch(),
 )
