@@ -3,7 +3,8 @@
 On 0.17 the released function runs on a stand-in context (the attributes it reads, CPU backend):
 the metadata it leaves must carry the context's chunk size (16), not MambaMetadata's default (128).
 With ``MEGATRON_EXT_TEST_UNPATCHED=1`` on 0.17.x the first test fails (128); from 0.18.0 on the
-release passes the chunk size itself (#4306), so the metadata keeps 16 with or without the patch. The end-to-end proof is functional_tests/test_hybrid.py
+release passes the chunk size itself (#4306), so the metadata keeps 16 with or without the patch.
+The end-to-end proof is functional_tests/test_hybrid.py
 (a chunk-16 hybrid model, caching on vs off bit-identical with a Mamba restore).
 """
 
@@ -19,20 +20,11 @@ from megatron_ext import mcore
 from megatron_ext.cpu_backend import cpu_backend
 from megatron_ext.patches.mamba_chunk_size import ALLOCATE, drops_chunk_size
 
-from .conftest import SOURCE_PATCHED, UNPATCHED
+from .conftest import SOURCE_PATCHED
 
 SERIES = mcore.release_series(mcore.installed_version())
 #: Whether the imported code drops the chunk size (0.17.x, unless it carries patches/).
 HAS_FAULT = SERIES == "0.17" and not SOURCE_PATCHED
-
-
-@pytest.fixture
-def patched():
-    megatron_ext.revert()
-    if not UNPATCHED:
-        megatron_ext.apply()
-    yield
-    megatron_ext.revert()
 
 
 def stand_in_context(chunk: int) -> types.SimpleNamespace:
@@ -62,7 +54,7 @@ on_017 = pytest.mark.skipif(SERIES != "0.17", reason="0.17's function only: the 
 
 
 @on_017
-def test_metadata_keeps_the_context_chunk_size(patched):
+def test_metadata_keeps_the_context_chunk_size(runtime_patches):
     context = allocate(16)
     assert context.mamba_metadata.mamba_chunk_size == 16
     assert context.mamba_metadata.max_chunks == 64 // 16 + 4
@@ -70,7 +62,7 @@ def test_metadata_keeps_the_context_chunk_size(patched):
 
 
 @on_017
-def test_metadata_of_chunk_128_is_left_as_built(patched):
+def test_metadata_of_chunk_128_is_left_as_built(runtime_patches):
     context = allocate(128)
     assert context.mamba_metadata.mamba_chunk_size == 128
     assert context.mamba_metadata.max_chunks == 64 // 128 + 4
