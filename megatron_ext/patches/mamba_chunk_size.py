@@ -37,9 +37,9 @@ def _allocate_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict
     metadata's ``mamba_chunk_size`` (tokens) differs from ``context.mamba_chunk_size``.
     """
     result = wrapped(*args, **kwargs)
-    metadata = getattr(context, "mamba_metadata", None)
-    if context.is_hybrid_model and metadata is not None and metadata.mamba_chunk_size != context.mamba_chunk_size:
-        context.mamba_metadata = type(metadata)(
+    # the released function builds mamba_metadata whenever the model is hybrid
+    if context.is_hybrid_model and context.mamba_metadata.mamba_chunk_size != context.mamba_chunk_size:
+        context.mamba_metadata = type(context.mamba_metadata)(
             max_requests=context.max_requests,
             max_tokens=context.max_tokens,
             mamba_chunk_size=context.mamba_chunk_size,
