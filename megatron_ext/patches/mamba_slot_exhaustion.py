@@ -90,7 +90,11 @@ def available_slots(allocator: Any, required: int) -> int:
 
 
 def _allocate_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> list:
-    """``allocate_slots_batch(block_ids)``: refuse, unchanged, a batch the pool cannot hold."""
+    """``allocate_slots_batch(block_ids)``: refuse, unchanged, a batch the pool cannot hold.
+
+    Raises:
+        MambaSlotCapacityError: the distinct new blocks outnumber the free plus evictable slots.
+    """
     block_ids = kwargs["block_ids"] if "block_ids" in kwargs else args[0]
     required = new_block_count(allocator, block_ids)
     available = available_slots(allocator, required)

@@ -81,8 +81,10 @@ def _arguments(req, current_id, skip_tokens, prefill_chunk_length, num_matched_b
 
 
 def store_offsets(allocator: Any, current_id: int, skip_tokens: int, offsets: list[int]) -> None:
-    """Write request row ``current_id``: ``offsets`` (padded with 0), the KV block ending at each
-    offset (from the request's block table, padded with -1) and the count."""
+    """Write request row ``current_id``: ``offsets`` (tokens after the ``skip_tokens`` restored;
+    padded with 0), the KV block ID ending at each offset (from the request's block table
+    ``context.request_to_kv_block_ids[current_id]``; padded with -1) and the count. The rows are
+    int32, ``[max_requests, 3]`` and ``[max_requests]``, on the allocator's bookkeeping device."""
     offset_rows, block_rows, counts = _rows(allocator)
     context = allocator.context
     offset_rows[current_id] = 0
