@@ -27,6 +27,7 @@ from .rounds import left_out, update_mismatches
 from .engine import build_engine, build_model, dist_timeout, ensure_model_parallel
 from .step_loop import RunRecord, drive
 from .tokenizer import Tokenizer, check_vocab_fits, default_tokenizer
+from .trainer_logprobs import TrainerForward, TrainerLogProbs, check_supported, compare_with_trainer
 from .weight_updates import WeightSnapshot, WeightUpdateError, WeightUpdater
 
 #: Audit violation kinds of the LRU faults 3-5, and what a count of them means in a verdict.
@@ -79,6 +80,8 @@ class ABResult:
     tokenizer: Optional[Tokenizer] = None
     #: ``checkpoint`` weight updates: the checkpoints loaded at the updates (one for all, or one each)
     update_checkpoints: list[CheckpointSource] = field(default_factory=list)
+    #: ``--trainer-logprobs``: the trainer forward's log-probs vs the engine's, per run; None: not asked
+    trainer_logprobs: Optional[TrainerLogProbs] = None
 
     def weights(self) -> dict[str, Any]:
         """Where the weights came from: ``{"source": "checkpoint", "requested", "path",
@@ -139,6 +142,8 @@ class ABResult:
                 f"{FAULT_OF_KIND['stale_hit']}: {self.total('stale_hits')} stale hits: requests admitted after a "
                 "weight update matched KV blocks cached under older weights")
         problems.extend(self._update_mismatches())
+        if self.trainer_logprobs is not None:
+            problems.extend(self.trainer_logprobs.failures())
         for run in self.runs:
             if run.error:
                 problems.append(f"megatron-core raised in run {run.eviction_policy or 'caching off'} at {run.error}")
@@ -213,6 +218,9 @@ class ABResult:
                 for p in self.policies
             ],
             "example_divergence": next((d.as_dict() for d in first.diffs if not d.identical), None) if first else None,
+            **({} if self.trainer_logprobs is None else {
+                "trainer_logprobs": self.trainer_logprobs.as_json(),
+                "trainer_logprobs_detail": self.trainer_logprobs.detail_json()}),
         }
 
 
@@ -304,6 +312,7 @@ def run_ab(
     on_run: Optional[Callable[[RunRecord], None]] = None,
     tokenizer: Optional[Tokenizer] = None,
     update_from: Sequence[Union[PathLike, CheckpointSource]] = (),
+    trainer_logprobs: Union[str, TrainerForward, None] = None,
 ) -> ABResult:
     """Run A (caching off) and B (caching on, per policy) and compare.
 
@@ -330,6 +339,12 @@ def run_ab(
             ``weight_updates.checkpoints``): one for every update, or one per update. Each is
             loaded once before any run, so a checkpoint that does not fit the model is refused
             before any engine runs.
+        trainer_logprobs: ``matched`` or ``megatron`` (``ab --trainer-logprobs``): after each run the
+            model's training forward computes the log-probs of every generated token and they are
+            compared with the engine's (:mod:`megatron_ext.harness.trainer_logprobs`; a
+            :class:`~megatron_ext.harness.trainer_logprobs.TrainerForward` picks attention and
+            matrix products separately); with ``matched`` a token that differs fails the verdict.
+            None: no trainer forward.
 
     With ``weight_updates`` every run (A and each B) starts from the same weights (a copy taken
     before the first run is restored before each) and makes the same updates at the same steps.
@@ -342,6 +357,8 @@ def run_ab(
         tokenizer's vocabulary exceeds the model's ``vocab_size``), WorkloadError (see
         :func:`megatron_ext.harness.cases.validate_planned`), CheckpointError (``load``: missing, not a
         checkpoint, architecture mismatch, args the harness cannot build), EngineStuckError, RuntimeError;
+        TrainerLogProbsError: ``trainer_logprobs`` is no mode, or asked for with TP/PP > 1, weight
+        updates, a hybrid model, or ``matched`` on ``cuda``;
         multi-rank: RankFailedError when megatron-core raised mid-run on this rank (the ranks are
         out of lockstep then; single-rank runs record the error in the result instead).
     """
@@ -361,6 +378,11 @@ def run_ab(
         raise WeightUpdateError(f"case '{case.name}': weight_updates kind train_step under pipeline parallelism needs "
                                 "megatron-core's pipeline schedule, which ab does not drive; use kind perturb or "
                                 "checkpoint with --pipeline-model-parallel-size > 1")
+    forward = None
+    if trainer_logprobs is not None:
+        forward = (trainer_logprobs if isinstance(trainer_logprobs, TrainerForward)
+                   else TrainerForward.of_mode(trainer_logprobs))
+        check_supported(forward, case, device, tensor_model_parallel_size, pipeline_model_parallel_size)
     check_device(device)
     dist_timeout()  # a bad MEGATRON_EXT_DIST_TIMEOUT_S is refused before megatron-core is imported
     patch_results = apply() if patched else revert()
@@ -376,9 +398,15 @@ def run_ab(
                           checkpoint=checkpoint, requests=[_request_json(r) for r in planned],
                           model_from_checkpoint_args=from_args, tokenizer=tokenizer,
                           update_checkpoints=at_updates)
+        trainer = _TrainerComparison(model, planned, forward) if forward is not None else None
+        if trainer is not None:
+            trainer.after(baseline)
         for policy in case.prefix_caching_eviction_policies:
             run = runs.one(True, policy)
             result.policies.append(PolicyResult(policy, run, compare_runs(baseline.outputs, run.outputs)))
+            if trainer is not None:
+                trainer.after(run)
+        result.trainer_logprobs = trainer.result if trainer is not None else None
     result.ranks = gather_ranks(result)
     result.wall_s = time.perf_counter() - started
     return result
@@ -440,6 +468,18 @@ def _initial_weights(model: Any, case: Case, update_checkpoints: list[Checkpoint
         load_checkpoint(model, source, case.name)
         snapshot.restore(model)
     return snapshot
+
+
+class _TrainerComparison:
+    """``--trainer-logprobs``: the trainer forward after each run, collected in run order."""
+
+    def __init__(self, model: Any, planned: list[PlannedRequest], forward: TrainerForward):
+        self.model, self.forward = model, forward
+        self.prompts = {r.request_id: r.prompt_tokens for r in planned}
+        self.result = TrainerLogProbs(forward.mode)
+
+    def after(self, run: RunRecord) -> None:
+        self.result.runs.append(compare_with_trainer(self.model, run.label, self.prompts, run.outputs, self.forward))
 
 
 @dataclass
