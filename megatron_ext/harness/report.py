@@ -168,8 +168,9 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
     if result.trainer_logprobs is not None:
         console.print(trainer_table(result))
         trainer_s = sum(r.seconds for r in result.trainer_logprobs.runs)
-        console.print(f"trainer forward: {trainer_s:.1f} s of the {result.wall_s:.1f} s run "
-                      f"({trainer_s / result.wall_s:.0%})" if result.wall_s else "", markup=False, highlight=False)
+        engine_s = sum(run.wall_s for run in result.runs)
+        console.print(f"trainer forward: {trainer_s:.1f} s, engine runs {engine_s:.1f} s ({trainer_s / max(result.wall_s, 1e-9):.0%} "
+                      f"of the whole ab, {result.wall_s:.1f} s)", markup=False, highlight=False)
     for run in result.runs:
         for kind, lines in run.audit.examples.items():
             for line in lines:
