@@ -82,3 +82,14 @@ def test_megatron_mode_reports_the_mismatch_and_passes(dtype, identical):
     for run in result.trainer_logprobs.runs:  # caching on and off: the same tokens, the same trainer figures
         assert [r.bit_identical_tokens for r in run.requests] == identical
         assert run.as_json()["max_abs_diff"] > 0.0 and run.as_json()["k3_kl"] > 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_tiny_case_matched_at_tp2(tmp_path, torchrun):
+    """TP=2 (torchrun, gloo): every rank's training forward (vocabulary shards gathered) matches its
+    engine bit for bit, caching off and on."""
+    code, output, result = torchrun.ab(tmp_path, tp=2, pp=1, case=str(TINY), extra=("--trainer-logprobs",))
+    torchrun.assert_clean(2, 1, code, output, result)
+    identical = {"tokens": 18, "bit_identical_tokens": 18, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0}
+    assert result["trainer_logprobs"] == {run: identical for run in RUNS[:2]}

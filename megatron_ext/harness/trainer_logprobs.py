@@ -109,13 +109,13 @@ def check_supported(forward: TrainerForward, case: Any, device: str, tensor_mode
     """Refuse, before anything is built, what the trainer comparison does not do yet.
 
     Raises:
-        TrainerLogProbsError: TP or PP > 1; a case with ``weight_updates`` (the trainer's
+        TrainerLogProbsError: PP > 1; a case with ``weight_updates`` (the trainer's
             view of each round is not computed yet); a hybrid model; ``matched`` on ``cuda`` (the
             matched attention is the CPU backend's).
     """
     why = None
-    if tensor_model_parallel_size > 1 or pipeline_model_parallel_size > 1:
-        why = "runs with TP=1 and PP=1 only (multi-rank layouts are not done yet)"
+    if pipeline_model_parallel_size > 1:
+        why = "runs with PP=1 only (pipeline parallelism is not done yet)"
     elif case.weight_updates is not None:
         why = f"does not yet follow the weight updates of case '{case.name}' (run a case without weight_updates)"
     elif case.model.is_hybrid:
@@ -151,7 +151,8 @@ def trainer_log_probs(model: Any, requests: Sequence[tuple[Sequence[int], Sequen
     generated tokens, token ``k`` gets ``log_softmax(float32(logits[i, p - 1 + k]))[token]``.
 
     Args:
-        model: the ``GPTModel`` the engine ran (eval mode), TP = PP = 1.
+        model: the ``GPTModel`` the engine ran (eval mode); PP = 1; with TP every rank calls this
+            (a collective), and the logits' vocabulary shards are gathered (``runtime_gather_output``).
         requests: per request ``(prompt_tokens, generated_tokens)``; a prompt has at least one token.
         forward: how attention and matrix products compute (:class:`TrainerForward`).
 
@@ -162,7 +163,8 @@ def trainer_log_probs(model: Any, requests: Sequence[tuple[Sequence[int], Sequen
     tokens, positions = batch_sequences(sequences)
     device = next(model.parameters()).device
     with forward.active(), _not_inferring(), torch.no_grad():
-        logits = model(tokens.to(device), positions.to(device), None)  # [B, L, V]
+        # runtime_gather_output: with TP the vocabulary shards are gathered, as Megatron-LM RL asks
+        logits = model(tokens.to(device), positions.to(device), None, runtime_gather_output=True)  # [B, L, V]
         result = []
         for row, (prompt, generated) in enumerate(requests):
             if not generated:
