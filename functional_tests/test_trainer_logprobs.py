@@ -93,3 +93,35 @@ def test_tiny_case_matched_at_tp2(tmp_path, torchrun):
     torchrun.assert_clean(2, 1, code, output, result)
     identical = {"tokens": 18, "bit_identical_tokens": 18, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0}
     assert result["trainer_logprobs"] == {run: identical for run in RUNS[:2]}
+
+
+@pytest.mark.slow
+@pytest.mark.breadth
+def test_weight_update_rounds_compare_each_round_with_its_own_weights(monkeypatch):
+    """rl_weight_update (2 SGD steps between 3 rounds; REF_ZERO only, to keep it short): each round's
+    requests match the trainer forward with the weights that generated them, bit for bit; r0.s0, in
+    flight across update 1, is left out. Compared after the run instead (the final weights for every
+    round), rounds 0 and 1 differ in every token, round 2 matches."""
+    from megatron_ext.harness import trainer_logprobs
+
+    case = load_case("rl_weight_update").model_copy(update={"prefix_caching_eviction_policies": ["ref_zero"]})
+    result = run_ab(case, trainer_logprobs="matched")
+    assert result.failures() == []
+    assert [run.label for run in result.trainer_logprobs.runs] == list(RUNS[:2])
+    for run in result.trainer_logprobs.runs:
+        assert (run.tokens, run.bit_identical_tokens, run.left_out) == (72, 72, [0])
+    start = trainer_logprobs.TrainerComparison.start
+    monkeypatch.setattr(trainer_logprobs.TrainerComparison, "start", lambda self, updater=None: start(self, None))
+    stale = run_ab(case, trainer_logprobs="matched")
+    round_of = {r["request_id"]: r["round"] for r in stale.requests}
+    for run in stale.trainer_logprobs.runs:
+        identical = {}  # round -> identical tokens / tokens
+        for r in run.requests:
+            have = identical.get(round_of[r.request_id], (0, 0))
+            identical[round_of[r.request_id]] = (have[0] + r.bit_identical_tokens, have[1] + r.tokens)
+        assert run.left_out == [] and identical == STALE_ROUNDS, (run.label, identical)
+    assert stale.exit_code() == 1
+
+
+#: rl_weight_update's rounds compared with the final weights: round -> (identical tokens, tokens)
+STALE_ROUNDS = {0: (0, 48), 1: (0, 24), 2: (24, 24)}

@@ -27,7 +27,7 @@ from .rounds import left_out, update_mismatches
 from .engine import build_engine, build_model, dist_timeout, ensure_model_parallel
 from .step_loop import RunRecord, drive
 from .tokenizer import Tokenizer, check_vocab_fits, default_tokenizer
-from .trainer_logprobs import TrainerForward, TrainerLogProbs, check_supported, compare_with_trainer
+from .trainer_logprobs import TrainerComparison, TrainerForward, TrainerLogProbs, check_supported
 from .weight_updates import WeightSnapshot, WeightUpdateError, WeightUpdater
 
 #: Audit violation kinds of the LRU faults 3-5, and what a count of them means in a verdict.
@@ -357,8 +357,8 @@ def run_ab(
         tokenizer's vocabulary exceeds the model's ``vocab_size``), WorkloadError (see
         :func:`megatron_ext.harness.cases.validate_planned`), CheckpointError (``load``: missing, not a
         checkpoint, architecture mismatch, args the harness cannot build), EngineStuckError, RuntimeError;
-        TrainerLogProbsError: ``trainer_logprobs`` is no mode, or asked for with PP > 1, weight
-        updates, a hybrid model, or ``matched`` on ``cuda``;
+        TrainerLogProbsError: ``trainer_logprobs`` is no mode, or asked for with PP > 1, a hybrid
+        model, or ``matched`` on ``cuda``;
         multi-rank: RankFailedError when megatron-core raised mid-run on this rank (the ranks are
         out of lockstep then; single-rank runs record the error in the result instead).
     """
@@ -392,20 +392,16 @@ def run_ab(
         model = build_model(case)
         checkpoint = None if load is None else load_checkpoint(model, load, case.name)
         snapshot = _initial_weights(model, case, at_updates)
-        runs = _Runs(model, case, planned, on_step, on_run, tokenizer, snapshot, at_updates)
+        trainer = TrainerComparison(model, planned, forward) if forward is not None else None
+        runs = _Runs(model, case, planned, on_step, on_run, tokenizer, snapshot, at_updates, trainer)
         baseline = runs.one(False, case.prefix_caching_eviction_policies[0])
         result = ABResult(case, mcore.installed_version(), device, patches, invariance, baseline,
                           checkpoint=checkpoint, requests=[_request_json(r) for r in planned],
                           model_from_checkpoint_args=from_args, tokenizer=tokenizer,
                           update_checkpoints=at_updates)
-        trainer = _TrainerComparison(model, planned, forward) if forward is not None else None
-        if trainer is not None:
-            trainer.after(baseline)
         for policy in case.prefix_caching_eviction_policies:
             run = runs.one(True, policy)
             result.policies.append(PolicyResult(policy, run, compare_runs(baseline.outputs, run.outputs)))
-            if trainer is not None:
-                trainer.after(run)
         result.trainer_logprobs = trainer.result if trainer is not None else None
     result.ranks = gather_ranks(result)
     result.wall_s = time.perf_counter() - started
@@ -470,18 +466,6 @@ def _initial_weights(model: Any, case: Case, update_checkpoints: list[Checkpoint
     return snapshot
 
 
-class _TrainerComparison:
-    """``--trainer-logprobs``: the trainer forward after each run, collected in run order."""
-
-    def __init__(self, model: Any, planned: list[PlannedRequest], forward: TrainerForward):
-        self.model, self.forward = model, forward
-        self.prompts = {r.request_id: r.prompt_tokens for r in planned}
-        self.result = TrainerLogProbs(forward.mode)
-
-    def after(self, run: RunRecord) -> None:
-        self.result.runs.append(compare_with_trainer(self.model, run.label, self.prompts, run.outputs, self.forward))
-
-
 @dataclass
 class _Runs:
     """What every run of one ``run_ab`` shares; :meth:`one` makes one run."""
@@ -494,6 +478,9 @@ class _Runs:
     tokenizer: Tokenizer
     snapshot: Optional[WeightSnapshot]
     update_checkpoints: list[CheckpointSource]
+    #: ``--trainer-logprobs``: the trainer forward of each run's requests (before each weight update
+    #: for the requests generated under the weights it replaces, and after the run); None: off
+    trainer: Optional[TrainerComparison] = None
 
     def one(self, prefix_caching: bool, policy: str) -> RunRecord:
         """One run (caching on with ``policy``, or off), from the initial weights."""
@@ -501,8 +488,13 @@ class _Runs:
         if self.snapshot is not None:
             self.snapshot.restore(self.model)
             updater = WeightUpdater(self.model, self.case.weight_updates, self.planned, self.update_checkpoints)
-        return _one_run(self.model, self.case, self.planned, prefix_caching, policy, self.on_step, self.on_run,
-                        self.tokenizer, updater)
+        if self.trainer is not None:
+            self.trainer.start(updater)
+        run = _one_run(self.model, self.case, self.planned, prefix_caching, policy, self.on_step, self.on_run,
+                       self.tokenizer, updater)
+        if self.trainer is not None:
+            self.trainer.after(run)
+        return run
 
 
 def _one_run(model, case, planned, prefix_caching, policy, on_step, on_run, tokenizer, updater=None) -> RunRecord:

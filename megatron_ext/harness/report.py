@@ -167,6 +167,12 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
     console.print(pressure_table(result))
     if result.trainer_logprobs is not None:
         console.print(trainer_table(result))
+        for run in result.trainer_logprobs.runs:
+            if run.left_out:
+                labels = ", ".join(result.baseline.outputs[rid].label for rid in run.left_out[:8])
+                console.print(f"trainer log-probs, {run.label}: {len(run.left_out)} requests left out, in flight across "
+                              f"a weight update (generated under two weight versions): {labels}"
+                              f"{', ...' if len(run.left_out) > 8 else ''}", markup=False, highlight=False, soft_wrap=True)
         trainer_s = sum(r.seconds for r in result.trainer_logprobs.runs)
         engine_s = sum(run.wall_s for run in result.runs)
         console.print(f"trainer forward: {trainer_s:.1f} s, engine runs {engine_s:.1f} s ({trainer_s / max(result.wall_s, 1e-9):.0%} "

@@ -109,15 +109,12 @@ def check_supported(forward: TrainerForward, case: Any, device: str, tensor_mode
     """Refuse, before anything is built, what the trainer comparison does not do yet.
 
     Raises:
-        TrainerLogProbsError: PP > 1; a case with ``weight_updates`` (the trainer's
-            view of each round is not computed yet); a hybrid model; ``matched`` on ``cuda`` (the
+        TrainerLogProbsError: PP > 1; a hybrid model; ``matched`` on ``cuda`` (the
             matched attention is the CPU backend's).
     """
     why = None
     if pipeline_model_parallel_size > 1:
         why = "runs with PP=1 only (pipeline parallelism is not done yet)"
-    elif case.weight_updates is not None:
-        why = f"does not yet follow the weight updates of case '{case.name}' (run a case without weight_updates)"
     elif case.model.is_hybrid:
         why = "runs GPT models only (not hybrid Mamba models yet)"
     elif forward.attention == "matched" and device != "cpu":
@@ -265,11 +262,13 @@ class RunLogProbs:
         label: the run as the report names it.
         requests: per request, in request ID order.
         seconds: wall-clock seconds of the trainer forward and comparison.
+        left_out: request IDs not compared: in flight across a weight update (two weight versions).
     """
 
     label: str
     requests: list[RequestLogProbs] = field(default_factory=list)
     seconds: float = 0.0
+    left_out: list[int] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -337,6 +336,55 @@ def compare_with_trainer(model: Any, label: str, prompts: dict[int, Sequence[int
     return run
 
 
+class TrainerComparison:
+    """The trainer forward of every run of one ``ab``, collected in run order in :attr:`result`.
+
+    Without weight updates each run is compared once, after it ends. With a ``WeightUpdater``
+    (a case with ``weight_updates``), the requests generated wholly under one weight version are
+    compared with those weights: before each update (the trainer's view of the round that just
+    ran), and the last round after the run. A request in flight across an update saw two weight
+    versions, so no single training forward is on-policy for it: it is left out and listed
+    (:attr:`RunLogProbs.left_out`).
+    """
+
+    def __init__(self, model: Any, planned: Sequence[Any], forward: TrainerForward):
+        self.model, self.forward = model, forward
+        self.prompts = {r.request_id: r.prompt_tokens for r in planned}
+        self.result = TrainerLogProbs(forward.mode)
+        self._requests: list[RequestLogProbs] = []
+        self._done: set[int] = set()
+        self._spanning: set[int] = set()
+        self._seconds = 0.0
+
+    def start(self, updater: Any = None) -> None:
+        """A run begins; ``updater`` (a ``WeightUpdater`` or None): compare before each of its updates."""
+        self._requests, self._done, self._spanning, self._seconds = [], set(), set(), 0.0
+        if updater is None:
+            return
+        update = updater.update
+
+        def compare_then_update(record: Any, outputs: dict[int, RequestOutput], finished: set[int]) -> None:
+            self._spanning |= set(outputs) - finished
+            self._compare(outputs, finished - self._done - self._spanning)
+            update(record, outputs, finished)
+
+        updater.update = compare_then_update
+
+    def after(self, run: Any) -> None:
+        """A run (a ``RunRecord``: ``label``, ``outputs``) ended: compare what is left, record the run."""
+        self._compare(run.outputs, set(run.outputs) - self._done - self._spanning)
+        ordered = sorted(self._requests, key=lambda r: r.request_id)
+        self.result.runs.append(RunLogProbs(run.label, ordered, self._seconds, sorted(self._spanning)))
+
+    def _compare(self, outputs: dict[int, RequestOutput], ids: set[int]) -> None:
+        if not ids:
+            return
+        compared = compare_with_trainer(self.model, "", self.prompts, {rid: outputs[rid] for rid in ids}, self.forward)
+        self._requests.extend(compared.requests)
+        self._seconds += compared.seconds
+        self._done |= ids
+
+
 @dataclass
 class TrainerLogProbs:
     """``ab --trainer-logprobs``: the mode and one :class:`RunLogProbs` per run, in run order."""
@@ -369,4 +417,5 @@ class TrainerLogProbs:
     def detail_json(self) -> dict[str, Any]:
         """The mode, seconds per run and per-request figures (the ab JSON's ``trainer_logprobs_detail``)."""
         return {"mode": self.mode, "seconds": {run.label: round(run.seconds, 3) for run in self.runs},
+                "left_out": {run.label: run.left_out for run in self.runs},
                 "requests": {run.label: [r.as_json() for r in run.requests] for run in self.runs}}
