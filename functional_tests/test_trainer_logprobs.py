@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from functional_tests.conftest import REPO
 from megatron_ext import cli
 from megatron_ext.harness.ab import run_ab
 from megatron_ext.harness.cases import load_case
@@ -89,7 +90,9 @@ def test_megatron_mode_reports_the_mismatch_and_passes(dtype, identical):
 def test_tiny_case_matched_at_tp2(tmp_path, torchrun):
     """TP=2 (torchrun, gloo): every rank's training forward (vocabulary shards gathered) matches its
     engine bit for bit, caching off and on."""
-    code, output, result = torchrun.ab(tmp_path, tp=2, pp=1, case=str(TINY), extra=("--trainer-logprobs",))
+    relative = TINY.relative_to(REPO)  # the fixture writes its JSON under tmp_path by the case's name
+    (tmp_path / relative.parent).mkdir(parents=True)
+    code, output, result = torchrun.ab(tmp_path, tp=2, pp=1, case=str(relative), extra=("--trainer-logprobs",))
     torchrun.assert_clean(2, 1, code, output, result)
     identical = {"tokens": 18, "bit_identical_tokens": 18, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0}
     assert result["trainer_logprobs"] == {run: identical for run in RUNS[:2]}
