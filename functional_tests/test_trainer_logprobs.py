@@ -86,14 +86,16 @@ def test_megatron_mode_reports_the_mismatch_and_passes(dtype, identical):
 
 
 @pytest.mark.slow
-@pytest.mark.multirank
-def test_tiny_case_matched_at_tp2(tmp_path, torchrun):
-    """TP=2 (torchrun, gloo): every rank's training forward (vocabulary shards gathered) matches its
-    engine bit for bit, caching off and on."""
+@pytest.mark.parametrize("tp, pp", [pytest.param(2, 1, id="tp2", marks=pytest.mark.multirank),
+                                    pytest.param(1, 2, id="pp2", marks=(pytest.mark.multirank, pytest.mark.breadth))])
+def test_tiny_case_matched_multi_rank(tmp_path, torchrun, tp, pp):
+    """TP=2 or PP=2 (torchrun, gloo): the training forward (TP: vocabulary shards gathered; PP:
+    megatron-core's pipeline schedule, the last stage's log-probs broadcast) matches the engine bit
+    for bit on every rank, caching off and on."""
     relative = TINY.relative_to(REPO)  # the fixture writes its JSON under tmp_path by the case's name
     (tmp_path / relative.parent).mkdir(parents=True)
-    code, output, result = torchrun.ab(tmp_path, tp=2, pp=1, case=str(relative), extra=("--trainer-logprobs",))
-    torchrun.assert_clean(2, 1, code, output, result)
+    code, output, result = torchrun.ab(tmp_path, tp=tp, pp=pp, case=str(relative), extra=("--trainer-logprobs",))
+    torchrun.assert_clean(tp, pp, code, output, result)
     identical = {"tokens": 18, "bit_identical_tokens": 18, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0}
     assert result["trainer_logprobs"] == {run: identical for run in RUNS[:2]}
 

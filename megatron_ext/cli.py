@@ -518,8 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "with the engine's. matched (the default of the bare flag): the training forward uses the "
                       "engine's arithmetic on the CPU backend (batch-invariant products, the reference "
                       "attention's per-query order); a token that differs fails the run. megatron: "
-                      "megatron-core's own training forward with torch's kernels; figures only. TP=PP=1, "
-                      "GPT models, cases without weight_updates")
+                      "megatron-core's own training forward with torch's kernels; figures only. GPT models "
+                      "(not hybrid); with weight_updates each round is compared with its own weights")
     p_ab.add_argument("--list-cases", action="store_true", help="print the shipped case names")
     p_ab.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_ab.add_argument("--width", type=_width, default=None, help="table width in columns (>= 40; default: the terminal's, or unbounded in a log)")

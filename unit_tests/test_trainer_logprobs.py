@@ -113,8 +113,6 @@ def test_bare_flag_means_matched():
 
 
 @pytest.mark.parametrize("case, device, tp, pp, message", [
-    ("rl_rollouts", "cpu", 1, 2, "runs with PP=1 only (pipeline parallelism is not done yet)"),
-    ("rl_rollouts", "cpu", 2, 2, "runs with PP=1 only (pipeline parallelism is not done yet)"),
     ("functional_tests/cases/hybrid_tiny.yaml", "cpu", 1, 1, "runs GPT models only (not hybrid Mamba models yet)"),
     ("rl_rollouts", "cuda", 1, 1, "matched needs the CPU backend (--device cpu)"),
 ])
@@ -126,7 +124,7 @@ def test_what_is_not_done_yet_is_refused(case, device, tp, pp, message):
 def test_run_ab_refuses_before_building(monkeypatch):
     monkeypatch.setattr(ab, "build_model", lambda *a, **k: pytest.fail("built a model"))
     monkeypatch.setattr(ab, "apply", lambda *a, **k: pytest.fail("applied the patches"))
-    with pytest.raises(TrainerLogProbsError, match="PP=1 only"):
-        ab.run_ab(load_case("rl_rollouts"), trainer_logprobs="matched", pipeline_model_parallel_size=2)
+    with pytest.raises(TrainerLogProbsError, match="runs GPT models only"):
+        ab.run_ab(load_case("functional_tests/cases/hybrid_tiny.yaml"), trainer_logprobs="matched")
     with pytest.raises(TrainerLogProbsError, match="choose one of matched, megatron"):
         ab.run_ab(load_case("rl_rollouts"), trainer_logprobs="exact")

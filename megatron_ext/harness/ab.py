@@ -357,8 +357,8 @@ def run_ab(
         tokenizer's vocabulary exceeds the model's ``vocab_size``), WorkloadError (see
         :func:`megatron_ext.harness.cases.validate_planned`), CheckpointError (``load``: missing, not a
         checkpoint, architecture mismatch, args the harness cannot build), EngineStuckError, RuntimeError;
-        TrainerLogProbsError: ``trainer_logprobs`` is no mode, or asked for with PP > 1, a hybrid
-        model, or ``matched`` on ``cuda``;
+        TrainerLogProbsError: ``trainer_logprobs`` is no mode, or asked for with a hybrid model, or
+        ``matched`` on ``cuda``;
         multi-rank: RankFailedError when megatron-core raised mid-run on this rank (the ranks are
         out of lockstep then; single-rank runs record the error in the result instead).
     """

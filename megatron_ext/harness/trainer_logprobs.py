@@ -109,13 +109,11 @@ def check_supported(forward: TrainerForward, case: Any, device: str, tensor_mode
     """Refuse, before anything is built, what the trainer comparison does not do yet.
 
     Raises:
-        TrainerLogProbsError: PP > 1; a hybrid model; ``matched`` on ``cuda`` (the
+        TrainerLogProbsError: a hybrid model; ``matched`` on ``cuda`` (the
             matched attention is the CPU backend's).
     """
     why = None
-    if pipeline_model_parallel_size > 1:
-        why = "runs with PP=1 only (pipeline parallelism is not done yet)"
-    elif case.model.is_hybrid:
+    if case.model.is_hybrid:
         why = "runs GPT models only (not hybrid Mamba models yet)"
     elif forward.attention == "matched" and device != "cpu":
         why = "matched needs the CPU backend (--device cpu); use --trainer-logprobs megatron on cuda"
@@ -148,8 +146,10 @@ def trainer_log_probs(model: Any, requests: Sequence[tuple[Sequence[int], Sequen
     generated tokens, token ``k`` gets ``log_softmax(float32(logits[i, p - 1 + k]))[token]``.
 
     Args:
-        model: the ``GPTModel`` the engine ran (eval mode); PP = 1; with TP every rank calls this
-            (a collective), and the logits' vocabulary shards are gathered (``runtime_gather_output``).
+        model: the ``GPTModel`` (this rank's stage and shard) the engine ran, in eval mode. With TP or
+            PP every rank calls this (collectives): TP gathers the logits' vocabulary shards
+            (``runtime_gather_output``); PP runs megatron-core's pipeline schedule forward only and
+            broadcasts the last stage's log-probs to every stage.
         requests: per request ``(prompt_tokens, generated_tokens)``; a prompt has at least one token.
         forward: how attention and matrix products compute (:class:`TrainerForward`).
 
@@ -160,18 +160,55 @@ def trainer_log_probs(model: Any, requests: Sequence[tuple[Sequence[int], Sequen
     tokens, positions = batch_sequences(sequences)
     device = next(model.parameters()).device
     with forward.active(), _not_inferring(), torch.no_grad():
-        # runtime_gather_output: with TP the vocabulary shards are gathered, as Megatron-LM RL asks
-        logits = model(tokens.to(device), positions.to(device), None, runtime_gather_output=True)  # [B, L, V]
+        logits = _logits(model, tokens.to(device), positions.to(device))  # [B, L, V]; None off the last stage
         result = []
         for row, (prompt, generated) in enumerate(requests):
-            if not generated:
-                result.append(torch.zeros(0, dtype=torch.float32))
+            if logits is None or not generated:
+                result.append(torch.zeros(len(generated) if logits is None else 0, dtype=torch.float32))
                 continue
             start = len(prompt) - 1
             rows = logits[row, start: start + len(generated)].float()  # [g, V]
             index = torch.tensor(list(generated), dtype=torch.long, device=rows.device).unsqueeze(-1)
             result.append(torch.log_softmax(rows, dim=-1).gather(-1, index).squeeze(-1).cpu())
-    return result
+    return _from_last_stage(result)
+
+
+def _logits(model: Any, tokens: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+    """The training forward's logits ``[B, L, V]`` (model dtype); with PP > 1 run by megatron-core's
+    pipeline schedule (forward only, one micro-batch), and None on every stage but the last.
+    ``runtime_gather_output``: with TP the vocabulary shards are gathered, as Megatron-LM RL asks."""
+    from .engine import model_parallel_sizes
+
+    if model_parallel_sizes()[1] == 1:
+        return model(tokens, positions, None, runtime_gather_output=True)
+    from .. import mcore
+
+    schedules = mcore.import_module("megatron.core.pipeline_parallel.schedules")
+
+    def step(batches: Iterator, chunk: Any) -> tuple[torch.Tensor, Any]:
+        batch_tokens, batch_positions = next(batches)
+        return (chunk(batch_tokens, batch_positions, None, runtime_gather_output=True),
+                lambda output, non_loss_data=False: output)  # the last stage's logits, collected as they are
+
+    collected = schedules.get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter([(tokens, positions)]), model=[model], num_microbatches=1,
+        seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=True, collect_non_loss_data=True)
+    return collected[0] if collected else None
+
+
+def _from_last_stage(log_probs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """With PP > 1: every stage gets the last stage's log-probs (a broadcast over the pipeline
+    group; the other stages hold zeros of the right lengths); unchanged otherwise."""
+    from .. import mcore
+    from .engine import model_parallel_sizes
+
+    if model_parallel_sizes()[1] == 1 or not log_probs:
+        return log_probs
+    parallel_state = mcore.import_module("megatron.core.parallel_state")
+    flat = torch.cat(log_probs)
+    torch.distributed.broadcast(flat, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                group=parallel_state.get_pipeline_model_parallel_group())
+    return list(flat.split([len(x) for x in log_probs]))
 
 
 @contextlib.contextmanager
