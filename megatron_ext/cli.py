@@ -73,6 +73,10 @@ def cmd_ab(args: argparse.Namespace) -> int:
     if args.list_cases:
         print("\n".join(shipped_cases()))
         return 0
+    if args.trainer_logprobs is not None:  # a bad mode is refused before anything else
+        from .harness.trainer_logprobs import check_mode
+
+        check_mode(args.trainer_logprobs)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     rank, world_size = _world()
     if not _layout_fits(tp, pp, "ab"):
@@ -130,7 +134,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
             result = run_ab(case, patched=not args.unpatched, device=args.device,
                             on_step=progress.on_step, on_run=progress.on_run,
                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            load=checkpoint, tokenizer=tokenizer, update_from=update_from)
+                            load=checkpoint, tokenizer=tokenizer, update_from=update_from,
+                            trainer_logprobs=args.trainer_logprobs)
     except BaseException as exc:  # noqa: BLE001 - keep the log; multi-rank: name the rank, exit non-zero
         if world_size == 1 or not isinstance(exc, Exception) or isinstance(exc, MegatronExtError):
             _keep_log_after_error(log, args.keep_log)
@@ -507,6 +512,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_ab.add_argument("--top-n-logprobs", type=_positive_int, metavar="N",
                       help="also record megatron-core's top-n log-probs of every generated token "
                       "(SamplingParams.top_n_logprobs) and compare them bit for bit")
+    p_ab.add_argument("--trainer-logprobs", nargs="?", const="matched", default=None, metavar="{matched,megatron}",
+                      help="after each run, the same GPTModel's training forward (no KV cache, full sequences) "
+                      "computes the log-prob of every generated token as Megatron-LM RL does, compared per token "
+                      "with the engine's. matched (the default of the bare flag): the training forward uses the "
+                      "engine's arithmetic on the CPU backend (batch-invariant products, the reference "
+                      "attention's per-query order); a token that differs fails the run. megatron: "
+                      "megatron-core's own training forward with torch's kernels; figures only. GPT models "
+                      "(not hybrid); with weight_updates each round is compared with its own weights")
     p_ab.add_argument("--list-cases", action="store_true", help="print the shipped case names")
     p_ab.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_ab.add_argument("--width", type=_width, default=None, help="table width in columns (>= 40; default: the terminal's, or unbounded in a log)")

@@ -13,6 +13,7 @@ import torch
 from megatron_ext.cpu_backend.attention import (
     attend_sequence,
     fa_version_answer,
+    full_sequence_attention,
     kvcache_attention,
     varlen_attention,
 )
@@ -234,3 +235,50 @@ def test_fa_version_answer():
     assert fa_version_answer("2.7.3") and fa_version_answer("2.1.0")
     assert not fa_version_answer("3.0.0")
     assert not fa_version_answer("2.7.4.post1", check_equality=False)
+
+
+class _CausalCoreAttention:
+    """What :func:`full_sequence_attention` reads of megatron-core's ``DotProductAttention``."""
+
+    attn_mask_type = type("AttnMaskType", (), {"name": "causal"})()
+    config = type("Config", (), {"softmax_scale": None})()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_attention_equals_paged_prefill_and_decode_bitwise(dtype):
+    """The matched training attention over a right-padded batch ``[s, b, h, d]`` gives each token
+    the bits of the engine's kernels: a paged full prefill, a prefix-cached tail and a decode step."""
+    gen = torch.Generator().manual_seed(5)
+    lengths, seqlen = [13, 9], 13
+    q = torch.randn(seqlen, 2, 4, D, generator=gen).to(dtype)
+    k = torch.randn(seqlen, 2, 2, D, generator=gen).to(dtype)
+    v = torch.randn(seqlen, 2, 2, D, generator=gen).to(dtype)
+    out = full_sequence_attention(_CausalCoreAttention(), q, k, v, None)
+    assert out.shape == (seqlen, 2, 4 * D) and out.dtype == dtype
+    for i, length in enumerate(lengths):
+        batch = PagedBatch([length], [length], dtype=dtype)
+        batch.queries = [q[:length, i]]
+        for j in range(-(-length // BLOCK)):  # the sequence's keys into its paged blocks
+            block, n = int(batch.block_table[0, j]), min(BLOCK, length - j * BLOCK)
+            batch.k_cache[block, :n] = k[j * BLOCK:j * BLOCK + n, i]
+            batch.v_cache[block, :n] = v[j * BLOCK:j * BLOCK + n, i]
+        prefill = _run_varlen(batch)[:length]
+        assert torch.equal(out[:length, i], prefill.reshape(length, -1)), f"sequence {i}: prefill"
+        for start in (1, length - 1):  # a prefix-cached tail (varlen) and a decode step (kvcache)
+            cu_q = torch.tensor([0, length - start], dtype=torch.int32)
+            cu_k = torch.tensor([0, length], dtype=torch.int32)
+            tail = varlen_attention(q[start:length, i], batch.k_cache, batch.v_cache, cu_q, cu_k, length - start,
+                                    length, causal=True, block_table=batch.block_table[:1])
+            assert torch.equal(out[start:length, i], tail.reshape(length - start, -1)), f"sequence {i}: tail {start}"
+        decode = kvcache_attention(q[length - 1:length, i].unsqueeze(0), batch.k_cache, batch.v_cache,
+                                   cache_seqlens=torch.tensor([length], dtype=torch.int32),
+                                   block_table=batch.block_table[:1], causal=True)
+        assert torch.equal(out[length - 1, i], decode.reshape(-1)), f"sequence {i}: decode"
+
+
+def test_training_attention_refuses_what_the_engine_kernels_do_not_do():
+    q = torch.zeros(3, 1, 2, D)
+    with pytest.raises(NotImplementedError, match="only causal self-attention"):
+        full_sequence_attention(_CausalCoreAttention(), q, q, q, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="only causal self-attention"):
+        full_sequence_attention(_CausalCoreAttention(), q, q[:2], q[:2], None)

@@ -27,7 +27,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
-from .attention import kvcache_attention, reference_attention, varlen_attention
+from .attention import (full_sequence_attention, kvcache_attention, matched_training_attention,
+                        reference_attention, varlen_attention)
 from .batch_invariant import batch_invariant_mode, self_check
 from .device import cuda_on_cpu
 from .kv_append import torch_kv_append
@@ -40,6 +41,8 @@ __all__ = [
     "reference_attention",
     "varlen_attention",
     "kvcache_attention",
+    "full_sequence_attention",
+    "matched_training_attention",
     "torch_kv_append",
     "cpu_pipeline_comms",
     "batch_invariant_mode",

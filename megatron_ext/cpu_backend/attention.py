@@ -303,3 +303,84 @@ def reference_attention() -> Iterator[None]:
         yield
     finally:
         swap.restore()
+
+
+# --- the training forward's attention, computed like the engine's -----------------------------
+
+#: Module and class of megatron-core's local (non-Transformer-Engine) core attention, the one the
+#: training forward of a ``GPTModel`` with the local layer spec calls.
+DOT_PRODUCT_ATTENTION_MODULE = "megatron.core.transformer.dot_product_attention"
+
+
+def full_sequence_attention(
+    core_attention: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    attn_mask_type: Any = None,
+    attention_bias: Optional[torch.Tensor] = None,
+    packed_seq_params: Any = None,
+) -> torch.Tensor:
+    """Stand-in for ``DotProductAttention.forward`` with the reference kernels' arithmetic.
+
+    Each sequence of the batch goes through :func:`attend_sequence` (causal), the function the
+    engine's paged prefill and decode calls reach through :func:`varlen_attention` and
+    :func:`kvcache_attention`: per query token, float32 scores against keys ``0..t``, the same
+    max-subtracted softmax and the same weighted sum of values. A query's output then has the bits
+    the engine computed for that token, whether the engine read its keys from the paged cache in a
+    prefill, a prefix-cached partial prefill or a decode step. The softmax scale is
+    ``head_dim ** -0.5``, what megatron-core passes to flash-attention (``DotProductAttention``'s own
+    ``1 / sqrt(head_dim)`` may differ from it in the last bit).
+
+    Args:
+        core_attention: the ``DotProductAttention`` module (its own bound ``self``).
+        query: ``[sq, b, np, hn]``; key, value: ``[sk, b, ng, hn]`` with ``sk == sq`` (training
+            forward: the full sequences, no KV cache); any float dtype.
+        attention_mask: must be None (causal attention over right-padded sequences: a token never
+            sees the padding after it).
+        attn_mask_type: must be causal (or None: the module's own, causal for GPT self-attention).
+        attention_bias, packed_seq_params: must be None.
+
+    Returns:
+        ``[sq, b, np * hn]`` in ``query.dtype``, the layout ``DotProductAttention`` returns.
+
+    Raises:
+        NotImplementedError: a mask, attention bias, packed sequences, a non-causal mask type,
+            ``sk != sq`` or a softmax scale set in the config (the engine's kernels do not use it).
+    """
+    mask_type = attn_mask_type if attn_mask_type is not None else core_attention.attn_mask_type
+    if (attention_mask is not None or attention_bias is not None or packed_seq_params is not None
+            or getattr(mask_type, "name", None) != "causal" or key.shape[0] != query.shape[0]
+            or core_attention.config.softmax_scale is not None):
+        raise NotImplementedError(
+            "matched training attention: only causal self-attention over full sequences without a "
+            "mask, bias, packed sequences or config.softmax_scale")
+    seqlen, batch, heads, head_dim = query.shape
+    scale = head_dim ** -0.5  # as megatron-core's flash-attention calls compute it
+    out = torch.empty(seqlen, batch, heads * value.shape[-1], dtype=query.dtype, device=query.device)
+    for i in range(batch):
+        attended, _ = attend_sequence(query[:, i], key[:, i], value[:, i], scale, causal=True)
+        out[:, i] = attended.reshape(seqlen, -1)
+    return out
+
+
+@contextlib.contextmanager
+def matched_training_attention() -> Iterator[None]:
+    """Within the block, megatron-core's ``DotProductAttention`` (the training forward's core
+    attention with the local layer spec) computes like the reference paged attention
+    (:func:`full_sequence_attention`). Opt-in: ``ab --trainer-logprobs matched`` switches it on
+    around the trainer forward only; the class's own ``forward`` is back on exit.
+
+    Raises:
+        megatron_ext.errors.MegatronCoreNotFoundError: megatron-core is not importable.
+    """
+    from .. import mcore
+
+    module = mcore.import_module(DOT_PRODUCT_ATTENTION_MODULE)
+    swap = AttributeSwap()
+    try:
+        swap.set(module.DotProductAttention, "forward", full_sequence_attention)
+        yield
+    finally:
+        swap.restore()

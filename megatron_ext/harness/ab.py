@@ -27,6 +27,7 @@ from .rounds import left_out, update_mismatches
 from .engine import build_engine, build_model, dist_timeout, ensure_model_parallel
 from .step_loop import RunRecord, drive
 from .tokenizer import Tokenizer, check_vocab_fits, default_tokenizer
+from .trainer_logprobs import TrainerComparison, TrainerForward, TrainerLogProbs, check_supported
 from .weight_updates import WeightSnapshot, WeightUpdateError, WeightUpdater
 
 #: Audit violation kinds of the LRU faults 3-5, and what a count of them means in a verdict.
@@ -79,6 +80,8 @@ class ABResult:
     tokenizer: Optional[Tokenizer] = None
     #: ``checkpoint`` weight updates: the checkpoints loaded at the updates (one for all, or one each)
     update_checkpoints: list[CheckpointSource] = field(default_factory=list)
+    #: ``--trainer-logprobs``: the trainer forward's log-probs vs the engine's, per run; None: not asked
+    trainer_logprobs: Optional[TrainerLogProbs] = None
 
     def weights(self) -> dict[str, Any]:
         """Where the weights came from: ``{"source": "checkpoint", "requested", "path",
@@ -139,6 +142,8 @@ class ABResult:
                 f"{FAULT_OF_KIND['stale_hit']}: {self.total('stale_hits')} stale hits: requests admitted after a "
                 "weight update matched KV blocks cached under older weights")
         problems.extend(self._update_mismatches())
+        if self.trainer_logprobs is not None:
+            problems.extend(self.trainer_logprobs.failures())
         for run in self.runs:
             if run.error:
                 problems.append(f"megatron-core raised in run {run.eviction_policy or 'caching off'} at {run.error}")
@@ -213,6 +218,9 @@ class ABResult:
                 for p in self.policies
             ],
             "example_divergence": next((d.as_dict() for d in first.diffs if not d.identical), None) if first else None,
+            **({} if self.trainer_logprobs is None else {
+                "trainer_logprobs": self.trainer_logprobs.as_json(),
+                "trainer_logprobs_detail": self.trainer_logprobs.detail_json()}),
         }
 
 
@@ -304,6 +312,7 @@ def run_ab(
     on_run: Optional[Callable[[RunRecord], None]] = None,
     tokenizer: Optional[Tokenizer] = None,
     update_from: Sequence[Union[PathLike, CheckpointSource]] = (),
+    trainer_logprobs: Union[str, TrainerForward, None] = None,
 ) -> ABResult:
     """Run A (caching off) and B (caching on, per policy) and compare.
 
@@ -330,6 +339,12 @@ def run_ab(
             ``weight_updates.checkpoints``): one for every update, or one per update. Each is
             loaded once before any run, so a checkpoint that does not fit the model is refused
             before any engine runs.
+        trainer_logprobs: ``matched`` or ``megatron`` (``ab --trainer-logprobs``): after each run the
+            model's training forward computes the log-probs of every generated token and they are
+            compared with the engine's (:mod:`megatron_ext.harness.trainer_logprobs`; a
+            :class:`~megatron_ext.harness.trainer_logprobs.TrainerForward` picks attention and
+            matrix products separately); with ``matched`` a token that differs fails the verdict.
+            None: no trainer forward.
 
     With ``weight_updates`` every run (A and each B) starts from the same weights (a copy taken
     before the first run is restored before each) and makes the same updates at the same steps.
@@ -342,6 +357,8 @@ def run_ab(
         tokenizer's vocabulary exceeds the model's ``vocab_size``), WorkloadError (see
         :func:`megatron_ext.harness.cases.validate_planned`), CheckpointError (``load``: missing, not a
         checkpoint, architecture mismatch, args the harness cannot build), EngineStuckError, RuntimeError;
+        TrainerLogProbsError: ``trainer_logprobs`` is no mode, or asked for with a hybrid model, or
+        ``matched`` on ``cuda``;
         multi-rank: RankFailedError when megatron-core raised mid-run on this rank (the ranks are
         out of lockstep then; single-rank runs record the error in the result instead).
     """
@@ -361,6 +378,11 @@ def run_ab(
         raise WeightUpdateError(f"case '{case.name}': weight_updates kind train_step under pipeline parallelism needs "
                                 "megatron-core's pipeline schedule, which ab does not drive; use kind perturb or "
                                 "checkpoint with --pipeline-model-parallel-size > 1")
+    forward = None
+    if trainer_logprobs is not None:
+        forward = (trainer_logprobs if isinstance(trainer_logprobs, TrainerForward)
+                   else TrainerForward.of_mode(trainer_logprobs))
+        check_supported(forward, case, device, tensor_model_parallel_size, pipeline_model_parallel_size)
     check_device(device)
     dist_timeout()  # a bad MEGATRON_EXT_DIST_TIMEOUT_S is refused before megatron-core is imported
     patch_results = apply() if patched else revert()
@@ -370,7 +392,8 @@ def run_ab(
         model = build_model(case)
         checkpoint = None if load is None else load_checkpoint(model, load, case.name)
         snapshot = _initial_weights(model, case, at_updates)
-        runs = _Runs(model, case, planned, on_step, on_run, tokenizer, snapshot, at_updates)
+        trainer = TrainerComparison(model, planned, forward) if forward is not None else None
+        runs = _Runs(model, case, planned, on_step, on_run, tokenizer, snapshot, at_updates, trainer)
         baseline = runs.one(False, case.prefix_caching_eviction_policies[0])
         result = ABResult(case, mcore.installed_version(), device, patches, invariance, baseline,
                           checkpoint=checkpoint, requests=[_request_json(r) for r in planned],
@@ -379,6 +402,7 @@ def run_ab(
         for policy in case.prefix_caching_eviction_policies:
             run = runs.one(True, policy)
             result.policies.append(PolicyResult(policy, run, compare_runs(baseline.outputs, run.outputs)))
+        result.trainer_logprobs = trainer.result if trainer is not None else None
     result.ranks = gather_ranks(result)
     result.wall_s = time.perf_counter() - started
     return result
@@ -454,6 +478,9 @@ class _Runs:
     tokenizer: Tokenizer
     snapshot: Optional[WeightSnapshot]
     update_checkpoints: list[CheckpointSource]
+    #: ``--trainer-logprobs``: the trainer forward of each run's requests (before each weight update
+    #: for the requests generated under the weights it replaces, and after the run); None: off
+    trainer: Optional[TrainerComparison] = None
 
     def one(self, prefix_caching: bool, policy: str) -> RunRecord:
         """One run (caching on with ``policy``, or off), from the initial weights."""
@@ -461,8 +488,13 @@ class _Runs:
         if self.snapshot is not None:
             self.snapshot.restore(self.model)
             updater = WeightUpdater(self.model, self.case.weight_updates, self.planned, self.update_checkpoints)
-        return _one_run(self.model, self.case, self.planned, prefix_caching, policy, self.on_step, self.on_run,
-                        self.tokenizer, updater)
+        if self.trainer is not None:
+            self.trainer.start(updater)
+        run = _one_run(self.model, self.case, self.planned, prefix_caching, policy, self.on_step, self.on_run,
+                       self.tokenizer, updater)
+        if self.trainer is not None:
+            self.trainer.after(run)
+        return run
 
 
 def _one_run(model, case, planned, prefix_caching, policy, on_step, on_run, tokenizer, updater=None) -> RunRecord:

@@ -90,6 +90,31 @@ def updates_table(result: ABResult) -> Table:
     return table
 
 
+def trainer_table(result: ABResult) -> Table:
+    """Per run: the engine's log-probs vs the training forward's (``--trainer-logprobs``): tokens
+    bit-identical (count and fraction), max / mean |Δ log-prob|, k3 KL per request (mean and max
+    over requests), the first divergent request and token, the trainer forward's seconds."""
+    trainer = result.trainer_logprobs
+    table = Table(title=f"trainer vs engine log-probs ({trainer.mode}): megatron-core's training forward "
+                        "over prompt + generated tokens")
+    for column in ("run", "tokens bit-identical", "max |Δ log-prob|", "mean |Δ log-prob|",
+                   "k3 KL per request (mean / max)", "first divergent token", "trainer forward s"):
+        table.add_column(column, justify="right" if column != "run" else "left")
+    for run in trainer.runs:
+        figures, first = run.as_json(), run.first_divergent
+        per_request = [r.k3_kl for r in run.requests if r.tokens]
+        k3s = f"{sum(per_request) / len(per_request):.3g} / {max(per_request):.3g}" if per_request else "-"
+        share = run.bit_identical_tokens / run.tokens if run.tokens else 1.0
+        table.add_row(
+            run.label,
+            f"{run.bit_identical_tokens}/{run.tokens} ({share:.1%})" if run.bit_identical_tokens == run.tokens
+            else f"[bold red]{run.bit_identical_tokens}/{run.tokens} ({share:.1%})[/]",
+            f"{figures['max_abs_diff']:.3g}", f"{figures['mean_abs_diff']:.3g}", k3s,
+            "-" if first is None else f"{first.label} token {first.first_divergent_token}",
+            f"{run.seconds:.2f}")
+    return table
+
+
 def _ids(ids: Sequence[int]) -> str:
     return f"{len(ids)}: {', '.join(map(str, ids[:6]))}{', ...' if len(ids) > 6 else ''}" if ids else "0"
 
@@ -140,6 +165,18 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
     if result.case.weight_updates is not None:
         console.print(updates_table(result))
     console.print(pressure_table(result))
+    if result.trainer_logprobs is not None:
+        console.print(trainer_table(result))
+        for run in result.trainer_logprobs.runs:
+            if run.left_out:
+                labels = ", ".join(result.baseline.outputs[rid].label for rid in run.left_out[:8])
+                console.print(f"trainer log-probs, {run.label}: {len(run.left_out)} requests left out, in flight across "
+                              f"a weight update (generated under two weight versions): {labels}"
+                              f"{', ...' if len(run.left_out) > 8 else ''}", markup=False, highlight=False, soft_wrap=True)
+        trainer_s = sum(r.seconds for r in result.trainer_logprobs.runs)
+        engine_s = sum(run.wall_s for run in result.runs)
+        console.print(f"trainer forward: {trainer_s:.1f} s, engine runs {engine_s:.1f} s ({trainer_s / max(result.wall_s, 1e-9):.0%} "
+                      f"of the whole ab, {result.wall_s:.1f} s)", markup=False, highlight=False)
     for run in result.runs:
         for kind, lines in run.audit.examples.items():
             for line in lines:
@@ -165,8 +202,13 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
         left_out = max((len(result.left_out(p)) for p in result.policies), default=0)
         counted = f"{total} requests" if not left_out else (
             f"{total - left_out} of {total} requests ({left_out} left out: updated at another token)")
+        trainer = result.trainer_logprobs
+        tokens = sum(r.tokens for r in trainer.runs) if trainer is not None else 0
+        trained = "" if trainer is None or trainer.mode != "matched" else (
+            f"; trainer log-probs (matched) bit-identical to the engine's in all {tokens} tokens of "
+            f"{len(trainer.runs)} runs")
         console.print(f"[bold green]PASS[/]: {counted} bit-identical with "
-                      f"prefix caching on and off{weights}; every audit holds ({result.wall_s:.1f} s)",
+                      f"prefix caching on and off{weights}{trained}; every audit holds ({result.wall_s:.1f} s)",
                       soft_wrap=True)
 
 
