@@ -7,6 +7,8 @@ from .lru_pin_before_allocate import PinBeforeAllocatePatch
 from .lru_register_once import RegisterOncePatch
 from .lru_resume_evictable import ResumeEvictablePatch
 from .mamba_chunk_size import MambaChunkSizePatch
+from .mamba_clamp_restore import MambaClampRestorePatch
+from .mamba_match_in_chunk import MambaMatchInChunkPatch
 from .matched_block_writes import MatchedBlockWritesPatch
 from .release_refcount import ReleaseRefCountPatch
 from .weight_update_invalidation import WeightUpdateInvalidationPatch
@@ -24,4 +26,6 @@ ALL_PATCHES: tuple[Patch, ...] = (
     TopNPrefillChunksPatch(),
     DeregisterOwnHashPatch(),
     MambaChunkSizePatch(),
+    MambaMatchInChunkPatch(),
+    MambaClampRestorePatch(),
 )
