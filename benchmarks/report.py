@@ -37,17 +37,21 @@ def release_tables(section: dict[str, Any]) -> list[Table]:
     main = Table(title=f"1. Release path: KVBlockAllocator.release_memory_blocks, µs per call "
                        f"({CLOCK_NAMES[clock]}), median [IQR]",
                  caption=f"patched = {releases['patched']}; unpatched = {releases['unpatched']}; "
-                         f"upstream = {releases['upstream']} (fixed code), each in its own process. "
-                         f"Ratios: ratio of medians (IQR of {section['rounds']} per-round ratios). "
-                         f"Target: patched/upstream <= {section['target']:.2f}.",
+                         f"upstream = {releases['upstream']} (fixed code); upstream+ext = "
+                         f"{releases['upstream+ext']} (the patches it still needs on this path: "
+                         "deregister-own-hash), each release in its own process; every patch on every "
+                         f"function it wraps. Ratios: ratio of medians (IQR of {section['rounds']} "
+                         f"per-round ratios). Target: patched/upstream+ext <= {section['target']:.2f}.",
                  caption_justify="left")
-    for name in ("policy", "pool", "IDs (unique)", "patched", "unpatched", "upstream",
-                 "patched/upstream", "patched/unpatched", "wall p/up", "same result", "verdict"):
+    for name in ("policy", "pool", "IDs (unique)", "patched", "unpatched", "upstream", "upstream+ext",
+                 "patched/upstream+ext", "patched/upstream", "patched/unpatched", "wall p/up+ext",
+                 "same result", "verdict"):
         main.add_column(name, justify="left" if name in ("policy",) else "right")
     wall = Table(title="1b. Release path, wall clock µs per call: median [IQR] (min–max)",
                  caption=f"{section['rounds']} rounds x {section['batch']} calls per variant and row",
                  caption_justify="left")
-    for name in ("policy", "pool", "IDs", "patched", "unpatched", "upstream"):
+    variants = ("patched", "unpatched", "upstream", "upstream+ext")
+    for name in ("policy", "pool", "IDs", *variants):
         wall.add_column(name, justify="left" if name == "policy" else "right")
     for row in section["rows"]:
         v = row["variants"]
@@ -55,44 +59,53 @@ def release_tables(section: dict[str, Any]) -> list[Table]:
         ratios = row["ratios"]
         main.add_row(
             row["policy"], f"{row['pool']:,}", f"{row['ids']:,} ({w['unique']:,})",
-            _t(v["patched"][key]), _t(v["unpatched"][key]), _t(v["upstream"][key]),
+            *(_t(v[x][key]) for x in variants),
+            _r(ratios["patched/upstream+ext"], clock, f"rounds_{clock}"),
             _r(ratios["patched/upstream"], clock, f"rounds_{clock}"),
             _r(ratios["patched/unpatched"], clock, f"rounds_{clock}"),
-            f"{ratios['patched/upstream']['wall' if clock == 'cpu' else 'cpu']:.2f}",
+            f"{ratios['patched/upstream+ext']['wall' if clock == 'cpu' else 'cpu']:.2f}",
             "yes" if row["same_result_as_upstream"] else "[red]NO[/]",
             _v(row["verdict"]),
         )
         wall.add_row(row["policy"], f"{row['pool']:,}", f"{row['ids']:,}",
-                     *(f"{_t(v[x]['wall_us'])} ({_range(v[x]['wall_us'])})"
-                       for x in ("patched", "unpatched", "upstream")))
+                     *(f"{_t(v[x]['wall_us'])} ({_range(v[x]['wall_us'])})" for x in variants))
     if clock == "wall":
-        main.columns[8].header = "cpu p/up"
+        main.columns[10].header = "cpu p/up+ext"
     return [main, wall]
 
 
 def add_request_table(section: dict[str, Any]) -> Table:
     clock = section["clock"]
     key = f"{clock}_us"
-    table = Table(title=f"2. KV-append redirect: DynamicInferenceContext.add_request, µs per call "
+    table = Table(title=f"2. Admission path: DynamicInferenceContext.add_request, µs per call "
                         f"({CLOCK_NAMES[clock]}), median [IQR]",
-                  caption=f"policy {section['policy']}; {section['rounds']} rounds x {section['batch']} calls "
-                          "per variant; the context is reset and a primer request added (untimed) "
-                          f"before each call. Target: patched/unpatched <= {section['target']:.2f}.",
+                  caption=f"patched = every runtime patch the release needs, on every function they wrap "
+                          f"(add_request and what it calls); {section['rounds']} rounds x "
+                          f"{section['batch']} calls per variant; the context is reset and a primer "
+                          "request added (untimed) before each call. Target: patched/unpatched <= "
+                          f"{section['target']:.2f}, <= {section['target_no_match']:.2f} where nothing "
+                          "matches; LRU on a release that gets upstream's LRU fixes backported (the "
+                          "prefix forest kept on every registration) is judged by patched/upstream "
+                          "(upstream's own code doing the same, in its own worker).",
                   caption_justify="left")
-    for name in ("release", "prompt", "match", "matched blocks", "tokens added", "to dummy (patched)",
-                 "unpatched", "patched", "overhead µs", "patched/unpatched", "wall ratio",
-                 "wall min–max (patched)", "verdict"):
-        table.add_column(name, justify="left" if name in ("release", "match") else "right")
+    for name in ("release", "policy", "prompt", "match", "matched blocks", "tokens added",
+                 "to dummy (patched)", "unpatched", "patched", "upstream", "overhead µs",
+                 "patched/unpatched", "patched/upstream", "wall ratio", "verdict"):
+        table.add_column(name, justify="left" if name in ("release", "policy", "match") else "right")
     for row in section["rows"]:
         v = row["variants"]
         out = row["outcomes"]["patched"]
         ratio = row["ratios"]["patched/unpatched"]
+        upstream = row["ratios"].get("patched/upstream")
+        judged = row["ratios"][row.get("judged", "patched/unpatched")]
         table.add_row(
-            row["release"], f"{row['prompt_tokens']:,}", row["match"], str(out["blocks_matched"]),
-            str(out["tokens_added"]), str(out["tokens_to_dummy_block"]),
-            _t(v["unpatched"][key]), _t(v["patched"][key]), f"{row['overhead_us']:+.0f}",
-            _r(ratio, clock, f"rounds_{clock}"), f"{ratio['wall' if clock == 'cpu' else 'cpu']:.2f}",
-            _range(v["patched"]["wall_us"]), _v(row["verdict"]),
+            row["release"], row["policy"], f"{row['prompt_tokens']:,}", row["match"],
+            str(out["blocks_matched"]), str(out["tokens_added"]), str(out["tokens_to_dummy_block"]),
+            _t(v["unpatched"][key]), _t(v["patched"][key]),
+            _t(v["upstream"][key]) if "upstream" in v else "-", f"{row['overhead_us']:+.0f}",
+            _r(ratio, clock, f"rounds_{clock}"),
+            _r(upstream, clock, f"rounds_{clock}") if upstream else "-",
+            f"{judged['wall' if clock == 'cpu' else 'cpu']:.2f}", _v(row["verdict"]),
         )
     return table
 
@@ -304,7 +317,7 @@ def scaling_tables(section: dict[str, Any]) -> list[Table]:
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
     lines = []
-    for name, label in (("release", "release path (patched/upstream)"),
+    for name, label in (("release", "release path (patched/upstream+ext)"),
                         ("add_request", "add_request (patched/unpatched)"),
                         ("e2e", "end to end (patched/unpatched)"),
                         ("lru", "LRU under pressure (patched/unpatched)")):
@@ -313,16 +326,19 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         rows = report[name]["rows"]
         judged = [r for r in rows if r["verdict"] in ("PASS", "FAIL")]
         passed = [r for r in judged if r["verdict"] == "PASS"]
-        key = "patched/upstream" if name == "release" else "patched/unpatched"
+        key = "patched/upstream+ext" if name == "release" else "patched/unpatched"
         clock = report[name]["clock"]
-        worst = max((r["ratios"][key][clock] for r in judged), default=float("nan"))
+        worst = max((r["ratios"][r.get("judged", key)][clock] for r in judged), default=float("nan"))
         skipped = len(rows) - len(judged)
         extra = ""
         if name in ENGINE_TABLE_TITLES:
             attributed = max((r["ratios"][key]["attributed"] for r in rows), default=float("nan"))
             extra = f"; cost inside the patched functions: worst {attributed:.4f}x"
+        target = f"<= {report[name]['target']:.2f}x"
+        if "target_no_match" in report[name]:
+            target += f", <= {report[name]['target_no_match']:.2f}x with no match"
         lines.append(f"{label}: {len(passed)}/{len(judged)} rows PASS "
-                     f"(target <= {report[name]['target']:.2f}x, worst {worst:.2f}x)"
+                     f"(target {target}, worst {worst:.2f}x)"
                      + (f", {skipped} n/a" if skipped else "") + extra)
     if "weight_update" in report:
         lines += weight_update_summary(report["weight_update"])

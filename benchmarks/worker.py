@@ -93,14 +93,22 @@ class Worker:
 
         self.release_bench = None
         self.release_bench = bench = ReleaseBench(policy, pool, ids, group, prefix)
-        outcomes = bench.probe({v: f["release"] for v, f in self.functions.items()})
+        outcomes = {}
+        for variant, functions in self.functions.items():  # every target, as op_release_time
+            self.install(variant)
+            outcomes.update(bench.probe({variant: functions["release"]}))
         self.install("unpatched")
         gc.collect()
         return {"workload": bench.describe(), "outcomes": outcomes}
 
     def op_release_time(self, variant: str, reps: int) -> dict:
-        wall, cpu = self.release_bench.time(self.functions[variant]["release"], reps)
-        self.install("unpatched")
+        """``variant``'s functions on every target: the release and what it calls
+        (``_deregister_blocks`` carries patches of its own)."""
+        self.install(variant)
+        try:
+            wall, cpu = self.release_bench.time(self.functions[variant]["release"], reps)
+        finally:
+            self.install("unpatched")
         return {"wall": wall, "cpu": cpu}
 
     def op_release_control(self, reps: int) -> dict:
@@ -110,6 +118,7 @@ class Worker:
     # -- section 2 -------------------------------------------------------------------------
 
     def op_add_case(self, policy: str, max_prompt: int, length: int, match: str) -> dict:
+        """What the probe's ``add_request`` did under each variant (checked equal across them)."""
         from .add_request import AddRequestBench
 
         key = (policy, max_prompt)
@@ -117,14 +126,22 @@ class Worker:
             self.add_benches[key] = AddRequestBench(policy, max_prompt)
         self.add_bench = bench = self.add_benches[key]
         bench.setup(length, match)
-        outcomes = {v: bench.probe_once(f["add_request"]) for v, f in self.functions.items()}
+        outcomes = {}
+        for variant in ("unpatched", "patched"):
+            self.install(variant)
+            outcomes[variant] = bench.probe_once(self.functions[variant]["add_request"])
         self.install("unpatched")
         gc.collect()
         return {"outcomes": outcomes}
 
     def op_add_time(self, variant: str, reps: int) -> dict:
-        wall, cpu = self.add_bench.time(self.functions[variant]["add_request"], reps)
-        self.install("unpatched")
+        """``variant``'s functions on every target: the whole admission path (``add_request`` and
+        what it calls: the prefix match, block registration, allocation, eviction)."""
+        self.install(variant)
+        try:
+            wall, cpu = self.add_bench.time(self.functions[variant]["add_request"], reps)
+        finally:
+            self.install("unpatched")
         return {"wall": wall, "cpu": cpu}
 
     # -- section 3 -------------------------------------------------------------------------

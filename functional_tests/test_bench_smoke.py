@@ -48,7 +48,7 @@ def test_short_bench_prints_the_tables_and_writes_every_section(tmp_path):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for title in ("1. Release path", "2. KV-append redirect", "3. End to end", "4a. Release cost vs pool size",
+    for title in ("1. Release path", "2. Admission path", "3. End to end", "4a. Release cost vs pool size",
                   "5. LRU under memory pressure"):
         assert title in done.stdout, done.stdout[-3000:]
 
@@ -59,23 +59,28 @@ def test_short_bench_prints_the_tables_and_writes_every_section(tmp_path):
     release = report["release"]["rows"]
     assert {r["policy"] for r in release} == {"REF_ZERO", "LRU"}
     for row in release:
-        for variant in ("patched", "unpatched", "upstream"):
+        for variant in ("patched", "unpatched", "upstream", "upstream+ext"):
             _stats_ok(row["variants"][variant]["cpu_us"])
             _stats_ok(row["variants"][variant]["wall_us"])
+        _ratio_ok(row["ratios"]["patched/upstream+ext"])
         _ratio_ok(row["ratios"]["patched/upstream"])
         _ratio_ok(row["ratios"]["patched/unpatched"])
         assert row["verdict"] in ("PASS", "FAIL")
         assert row["same_result_as_upstream"] is True  # the patched release does what 0.19.2 does
 
     add = report["add_request"]["rows"]
-    assert {r["match"] for r in add} == {"full", "partial", "none"}
+    assert {(r["policy"], r["match"]) for r in add} == {
+        (p, m) for p in ("REF_ZERO", "LRU") for m in ("full", "partial", "none")}
     for row in add:
         for variant in ("patched", "unpatched"):
             _stats_ok(row["variants"][variant]["cpu_us"])
             _stats_ok(row["variants"][variant]["wall_us"])
         _ratio_ok(row["ratios"]["patched/unpatched"])
         assert _number(row["overhead_us"])
+        assert row["target"] == (1.02 if row["match"] == "none" else 1.05)
         assert row["verdict"] in ("PASS", "FAIL")
+        # every patch on every function it wraps: the probe's outcome is the same either way
+        assert row["outcomes"]["patched"]["blocks_matched"] == row["outcomes"]["unpatched"]["blocks_matched"]
 
     e2e = report["e2e"]["rows"]
     assert e2e

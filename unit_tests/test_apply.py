@@ -35,9 +35,11 @@ _FAULTS_017_018 = {
     "deregister-own-hash": "applicable",
 }
 EXPECTED_STATUS = {
-    "0.17": {**_FAULTS_017_018, "mamba-chunk-size": "applicable",
+    "0.17": {**_FAULTS_017_018, "mamba-chunk-size": "applicable", "mamba-snapshot-offsets": "applicable",
+             "mamba-slot-exhaustion": "applicable",
              "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "not needed"},
-    "0.18": {**_FAULTS_017_018, "mamba-chunk-size": "not needed",
+    "0.18": {**_FAULTS_017_018, "mamba-chunk-size": "not needed", "mamba-snapshot-offsets": "applicable",
+             "mamba-slot-exhaustion": "applicable",
              "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "applicable"},
     "0.19": {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
@@ -47,6 +49,8 @@ EXPECTED_STATUS = {
         "top-n-prefill-chunks": "applicable",
         "deregister-own-hash": "applicable",
         "mamba-chunk-size": "not needed",
+        "mamba-snapshot-offsets": "not needed",
+        "mamba-slot-exhaustion": "applicable",
         "mamba-match-in-chunk": "not needed",
         "mamba-clamp-restore": "applicable",
     },
@@ -91,16 +95,20 @@ def test_status_per_release(mcore_series):
     eviction = by_name(results, "lru-leaf-first-eviction").evidence
     register = by_name(results, "lru-register-once").evidence
     pin_first = by_name(results, "lru-pin-before-allocate").evidence
+    offsets = by_name(results, "mamba-snapshot-offsets").evidence
+    assert "took the free slot: free count 0 of 1" in by_name(results, "mamba-slot-exhaustion").evidence
     if mcore_series == "0.19":
         assert "ref count 0" in refcount.evidence
         assert "evicted [[1]] (leaf first, as Megatron-LM #5822)" in eviction
         assert "block 0 child count 2" in register  # the probe saw the double count
         assert "takes potential_matched_count" in pin_first
+        assert "keeps the snapshot at token 32" in offsets
     else:
         assert "ref count 1" in refcount.evidence  # the probe saw the leak
         assert "evicted [[0]] (parent first)" in eviction
         assert "takes no parent_hashes" in register
         assert "has no potential_matched_count" in pin_first
+        assert "keeps offsets [] of a 40-token prompt" in offsets
 
 
 def test_apply_wraps_exactly_the_needed_targets_and_revert_restores_them(mcore_series):

@@ -9,6 +9,8 @@ from .lru_resume_evictable import ResumeEvictablePatch
 from .mamba_chunk_size import MambaChunkSizePatch
 from .mamba_clamp_restore import MambaClampRestorePatch
 from .mamba_match_in_chunk import MambaMatchInChunkPatch
+from .mamba_slot_exhaustion import MambaSlotExhaustionPatch
+from .mamba_snapshot_offsets import MambaSnapshotOffsetsPatch
 from .matched_block_writes import MatchedBlockWritesPatch
 from .release_refcount import ReleaseRefCountPatch
 from .weight_update_invalidation import WeightUpdateInvalidationPatch
@@ -26,6 +28,8 @@ ALL_PATCHES: tuple[Patch, ...] = (
     TopNPrefillChunksPatch(),
     DeregisterOwnHashPatch(),
     MambaChunkSizePatch(),
+    MambaSnapshotOffsetsPatch(),
+    MambaSlotExhaustionPatch(),
     MambaMatchInChunkPatch(),
     MambaClampRestorePatch(),
 )

@@ -43,6 +43,7 @@ import inspect
 import types
 from typing import Any, Callable
 
+import numpy
 import torch
 
 from ..errors import MegatronExtError
@@ -184,35 +185,76 @@ def register_with_parents(
             holding the hash before it in the prompt's chain.
         parent_hashes: each block's parent hash (0 for a root), or None: parents from the block
             table of the request ``add_request`` is adding.
+
+    Runs on every admission under LRU: a registration of hashes the hash map does not know (every
+    first registration) skips the idempotence check, since a block can hold its hash only while
+    the map has it (see ``lru_register_once``).
     """
-    held = allocator.block_hashes[torch.tensor(block_ids, dtype=torch.int64)].tolist()
-    keep = [i for i, (h, old) in enumerate(zip(block_hashes, held)) if h != old]
-    if not keep:
-        return  # every block already holds its hash: registering again changes nothing
-    ids = [block_ids[i] for i in keep]
-    register(ids, [block_hashes[i] for i in keep])
-    if parent_hashes is not None:
-        hash_map = allocator.kv_hash_to_block_id
-        parents = [hash_map.get(parent_hashes[i], -1) if parent_hashes[i] != 0 else -1 for i in keep]
-    else:
-        parents = _parents_in_block_table(allocator.context, ids)
+    if any(map(allocator.kv_hash_to_block_id.__contains__, block_hashes)):
+        held = allocator.block_hashes[torch.tensor(block_ids, dtype=torch.int64)].tolist()
+        keep = [i for i, (h, old) in enumerate(zip(block_hashes, held)) if h != old]
+        if not keep:
+            return  # every block already holds its hash: registering again changes nothing
+        if len(keep) < len(block_ids):
+            block_ids = [block_ids[i] for i in keep]
+            block_hashes = [block_hashes[i] for i in keep]
+            parent_hashes = None if parent_hashes is None else [parent_hashes[i] for i in keep]
+    register(block_ids, block_hashes)
     parent_id, child_count = prefix_forest(allocator)
-    device = parent_id.device
-    parent_tensor = torch.tensor(parents, dtype=torch.int64, device=device)
-    parent_id[torch.tensor(ids, dtype=torch.int64, device=device)] = parent_tensor
-    linked = parent_tensor[parent_tensor >= 0]
+    if parent_hashes is None:
+        _link_block_table_run(allocator.context, parent_id, child_count, block_ids)
+    else:
+        hash_map = allocator.kv_hash_to_block_id
+        _link(parent_id, child_count, block_ids,
+              [hash_map.get(h, -1) if h != 0 else -1 for h in parent_hashes])
+
+
+def _link(parent_id: torch.Tensor, child_count: torch.Tensor, block_ids: list[int], parents: list[int]) -> None:
+    """Set ``block_parent_id[block_ids[k]] = parents[k]`` and count each block as its parent's
+    child (parent -1: a root, nothing counted)."""
+    links = torch.tensor([block_ids, parents], dtype=torch.int64, device=parent_id.device)
+    parent_id[links[0]] = links[1]
+    linked = links[1][links[1] >= 0]
     child_count.index_add_(0, linked, torch.ones_like(linked))
 
 
-def _parents_in_block_table(context: Any, block_ids: list[int]) -> list[int]:
-    """Each block's predecessor in the block table ``add_request`` is filling (-1: first, or absent)."""
+def _link_block_table_run(context: Any, parent_id: torch.Tensor, child_count: torch.Tensor,
+                          block_ids: list[int]) -> None:
+    """Link the blocks ``add_request`` registers to their predecessors in its block table.
+
+    The released ``add_request`` (0.17/0.18 ``_register_range``) registers a contiguous run of
+    the block table of the request it is adding (row ``total_request_count``, whose block count it
+    has set by then): the parent of the run's first block is the entry before it (-1 at the
+    start), of every other block the one before it in the run. Where the tables live on the CPU
+    (0.18's bookkeeping) that is a handful of NumPy operations on views; a run not found whole in
+    the table (another caller) is linked entry by entry.
+    """
     tables = getattr(context, "request_to_kv_block_ids", None)
     row = getattr(context, "total_request_count", None)
     if tables is None or row is None or row >= tables.shape[0]:
-        return [-1] * len(block_ids)
-    table = tables[row].tolist()
-    position = {block: k for k, block in enumerate(table) if block >= 0}
-    return [table[position[b] - 1] if position.get(b, 0) > 0 else -1 for b in block_ids]
+        return _link(parent_id, child_count, block_ids, [-1] * len(block_ids))
+    on_cpu = tables.device.type == "cpu" and parent_id.device.type == "cpu"
+    counts = context.request_kv_block_counts
+    if on_cpu:
+        table = tables.numpy()[row, : counts.numpy()[row]]
+    else:
+        table = tables[row, : int(counts[row])].cpu().numpy()
+    ids = numpy.array(block_ids, dtype=numpy.int64)
+    found = numpy.flatnonzero(table == ids[0])
+    start = int(found[0]) if found.size else -1
+    if start < 0 or not numpy.array_equal(table[start : start + ids.size], ids):
+        position = {int(block): k for k, block in enumerate(table) if block >= 0}
+        return _link(parent_id, child_count, block_ids,
+                     [int(table[position[b] - 1]) if position.get(b, 0) > 0 else -1 for b in block_ids])
+    first_parent = int(table[start - 1]) if start > 0 else -1
+    if not on_cpu:
+        return _link(parent_id, child_count, block_ids, [first_parent, *block_ids[:-1]])
+    parents, children = parent_id.numpy(), child_count.numpy()
+    parents[ids[1:]] = ids[:-1]
+    parents[ids[0]] = first_parent
+    children[ids[:-1]] += 1  # the IDs of one block table are distinct: no index repeats
+    if first_parent >= 0:
+        children[first_parent] += 1
 
 
 def _register_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:

@@ -49,30 +49,54 @@ _V018 = {
 FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018}
 
 
-def matched_blocks(context: Any, req: Any, chunk: int) -> list[int]:
-    """The block IDs ``add_request(req, chunk)`` would take from a hash match, in prompt order.
-
-    ``_compute_prefix_match`` only reads the hash map and the request in 0.17/0.18.
-    """
-    return context._compute_prefix_match(req, chunk)[0]
-
-
 def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict) -> None:
+    """Pin the request's matched blocks for the released call, which matches once, not twice.
+
+    The prefix match (``_compute_prefix_match``, which only reads the hash map and the request in
+    0.17/0.18) is computed here, before anything is allocated, and the released ``add_request``
+    is handed the same result: for the duration of the call the context's own
+    ``_compute_prefix_match`` attribute answers the call with these arguments from it (any other
+    call goes through).
+    """
     allocator = context.kv_block_allocator
     if not uses_lru_prefix_caching(allocator):
         return wrapped(*args, **kwargs)
     req = kwargs["req"] if "req" in kwargs else args[0]
     chunk = kwargs.get("prefill_chunk_length", args[1] if len(args) > 1 else None)
-    matched = matched_blocks(context, req, req.remaining_prompt_length if chunk is None else chunk)
-    if not matched:
-        return wrapped(*args, **kwargs)
-    ref_counts = allocator.block_ref_counts
-    pinned = torch.tensor(matched, dtype=torch.int64, device=ref_counts.device)
-    ref_counts.index_add_(0, pinned, torch.ones_like(pinned, dtype=ref_counts.dtype))
+    if chunk is None:
+        chunk = req.remaining_prompt_length
+    compute = context._compute_prefix_match
+    match = compute(req, chunk)
+
+    def computed_match(other_req: Any, other_chunk: int, *more: Any, **options: Any):
+        if other_req is req and other_chunk == chunk and not more and not options:
+            return match
+        return compute(other_req, other_chunk, *more, **options)
+
+    # Allocation evicts only when the free pool is short of the blocks it takes from the pool
+    # (match[1]); otherwise no matched block can be evicted and there is nothing to pin.
+    pinned = None
+    if match[0] and allocator.total_avail < match[1]:
+        ref_counts = allocator.block_ref_counts
+        pinned = torch.tensor(match[0], dtype=torch.int64, device=ref_counts.device)
+        ref_counts.index_add_(0, pinned, torch.ones_like(pinned, dtype=ref_counts.dtype))
+    state = context.__dict__
+    shadowed = state.get(SHARED_MATCH_ATTR)  # someone's own instance attribute: put back after
+    state[SHARED_MATCH_ATTR] = computed_match
     try:
         return wrapped(*args, **kwargs)
     finally:
-        ref_counts.index_add_(0, pinned, torch.full_like(pinned, -1, dtype=ref_counts.dtype))
+        if shadowed is None:
+            del state[SHARED_MATCH_ATTR]
+        else:
+            state[SHARED_MATCH_ATTR] = shadowed
+        if pinned is not None:
+            ref_counts.index_add_(0, pinned, torch.full_like(pinned, -1, dtype=ref_counts.dtype))
+
+
+#: The instance attribute that shadows ``DynamicInferenceContext._compute_prefix_match`` while
+#: the released ``add_request`` runs under the wrapper.
+SHARED_MATCH_ATTR = COMPUTE_PREFIX_MATCH.attribute
 
 
 def blocks_after_match_fit(context: Any, req: Any) -> bool:

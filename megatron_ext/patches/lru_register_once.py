@@ -40,9 +40,19 @@ def _bind(block_ids: list[int], block_hashes: list[int], parent_hashes: list[int
 
 
 def _register_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
-    """Register only the blocks that do not hold their hash yet (``parent_hashes`` narrowed alike)."""
+    """Register only the blocks that do not hold their hash yet (``parent_hashes`` narrowed alike).
+
+    Only LRU keeps child counts, so only LRU changes. A block can hold its hash only if the hash
+    is in the hash map (registration puts it there; a block's own deregistration takes both away),
+    so a registration of hashes the map does not know, every first registration, goes straight
+    through. The map can miss a hash a block still holds only after one hash was put on two blocks
+    and the one the map points at was deregistered: ``add_request`` never registers a hash the map
+    has (it matches first), so the engine cannot get there.
+    """
+    if allocator.prefix_caching_eviction_policy.name != "LRU":
+        return wrapped(*args, **kwargs)
     block_ids, block_hashes, parent_hashes = _bind(*args, **kwargs)
-    if not block_ids:
+    if not block_ids or not any(map(allocator.kv_hash_to_block_id.__contains__, block_hashes)):
         return wrapped(block_ids, block_hashes, parent_hashes)
     held = allocator.block_hashes[torch.tensor(block_ids, dtype=torch.int64)].tolist()
     keep = [i for i, (h, old) in enumerate(zip(block_hashes, held)) if h != old]

@@ -70,23 +70,6 @@ SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
 }
 
 
-def matched_token_ranges(req: Any, finished_tokens: int) -> list[tuple[int, int]]:
-    """The request's list of hash-matched token-position ranges, reset when its prefill restarts.
-
-    Args:
-        req: a ``DynamicInferenceRequest``.
-        finished_tokens: ``req.finished_chunk_token_count`` before this ``add_request`` call; 0
-            means a first chunk (a new request, or an evicted one added again from scratch).
-
-    Returns the list kept on the request (``MATCHED_RANGES_ATTR``): ``(start, stop)`` token
-    positions within the request, block aligned, stop exclusive.
-    """
-    ranges = req.__dict__.get(MATCHED_RANGES_ATTR)
-    if ranges is None or finished_tokens == 0:
-        ranges = req.__dict__[MATCHED_RANGES_ATTR] = []
-    return ranges
-
-
 def redirect_matched_block_writes(
     context: Any, first_slot: int, first_position: int, end_position: int,
     matched_ranges: list[tuple[int, int]],
@@ -102,45 +85,55 @@ def redirect_matched_block_writes(
         matched_ranges: token-position ranges of the request's hash-matched blocks.
 
     Only ``token_to_block_idx`` (integer, shape ``[max_tokens]``) changes, in place, on whatever
-    device the bookkeeping lives on. Returns the number of redirected tokens.
+    device the bookkeeping lives on, and only when a range overlaps the added tokens. Returns the
+    number of redirected tokens.
     """
-    dummy = context.kv_block_allocator.dummy_block_idx
     offset = first_slot - first_position  # token position -> active-token slot
     redirected = 0
     for start, stop in matched_ranges:
         start, stop = max(start, first_position), min(stop, end_position)
         if start < stop:
-            context.token_to_block_idx[start + offset : stop + offset] = dummy
+            context.token_to_block_idx[start + offset : stop + offset] = (
+                context.kv_block_allocator.dummy_block_idx)
             redirected += stop - start
     return redirected
 
 
 def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict) -> None:
-    """wrapt wrapper around ``add_request(req, prefill_chunk_length=None)``.
+    """Wrapper around ``add_request(req, prefill_chunk_length=None)``.
 
-    Nothing is recorded when ``add_request`` raises (it then admitted nothing).
+    The request keeps its matched ranges (``MATCHED_RANGES_ATTR``: ``(start, stop)`` token
+    positions, block aligned, stop exclusive) across the chunks of its prefill; they are dropped
+    when its prefill starts over (``finished_chunk_token_count == 0``: a new request, or an
+    evicted one added again). Nothing is recorded when ``add_request`` raises (it then admitted
+    nothing). It runs on every admission, so the common cases (nothing matched, nothing to
+    redirect) do as little as possible.
     """
     if not context.enable_prefix_caching:
         return wrapped(*args, **kwargs)
     req = kwargs["req"] if "req" in kwargs else args[0]
-    chunk = kwargs.get("prefill_chunk_length", args[1] if len(args) > 1 else None)
-    if chunk is None:
-        chunk = req.remaining_prompt_length
     finished = req.finished_chunk_token_count
+    state = req.__dict__
+    ranges = state.get(MATCHED_RANGES_ATTR)
+    if not finished and ranges is not None:  # a prefill starting over: those ranges are void
+        del state[MATCHED_RANGES_ATTR]
+        ranges = None
     first_slot = context.active_token_count
     matched_before = context.prefix_cache_blocks_matched
-    wrapped(*args, **kwargs)
+    wrapped(*args, **kwargs)  # reads the request, changes none of what is read here
     # add_request put the newly matched blocks at block-table positions
     # [ceil(finished / block), + newly_matched) and added the chunk's last tokens, positions
     # [finished + chunk - added, finished + chunk): the matched prefix it skipped comes first.
     newly_matched = context.prefix_cache_blocks_matched - matched_before
-    ranges = matched_token_ranges(req, finished)
-    block = context.block_size_tokens
     if newly_matched:
-        first_block = -(-finished // block)
-        ranges.append((first_block * block, (first_block + newly_matched) * block))
+        block = context.block_size_tokens
+        start = -(-finished // block) * block
+        if ranges is None:
+            ranges = state[MATCHED_RANGES_ATTR] = []
+        ranges.append((start, start + newly_matched * block))
     if ranges:
-        end_position = finished + chunk
+        chunk = kwargs.get("prefill_chunk_length", args[1] if len(args) > 1 else None)
+        end_position = finished + (req.remaining_prompt_length if chunk is None else chunk)
         first_position = end_position - (context.active_token_count - first_slot)
         redirect_matched_block_writes(context, first_slot, first_position, end_position, ranges)
 

@@ -87,19 +87,21 @@ def release_blocks_per_occurrence(allocator: Any, blocks: torch.Tensor) -> None:
 def _deregister_reached_zero(allocator: Any, ids: torch.Tensor, reached_zero: torch.Tensor) -> None:
     """REF_ZERO: deregister each block that reached zero once; on any error, restore the books."""
     zero_ids = _distinct(allocator, ids.masked_select(reached_zero))
-    hashes = allocator.block_hashes.index_select(0, zero_ids).tolist()
-    hash_map = allocator.kv_hash_to_block_id
-    # The exact entries: two blocks can carry one hash and the map holds the last registered.
-    saved_entries = {h: hash_map[h] for h in hashes if h in hash_map}
+    hashes = allocator.block_hashes.index_select(0, zero_ids)
     saved_avail = allocator.total_avail
     try:
         allocator._deregister_blocks(zero_ids)
     except BaseException:
         # _deregister_blocks pops hash-map entries, then resets hashes and ref counts, then
-        # returns the blocks to the pool: put back whatever it got to.
-        hash_map.update(saved_entries)
-        allocator.block_hashes[zero_ids] = torch.tensor(hashes, dtype=allocator.block_hashes.dtype,
-                                                       device=allocator.block_hashes.device)
+        # returns the blocks to the pool: put back whatever it got to. The map entries are
+        # rebuilt, not saved beforehand (a dict of every entry would cost more than the release
+        # itself): each popped entry pointed at its own block (with deregister-own-hash applied,
+        # entries of other blocks are never popped).
+        hash_map = allocator.kv_hash_to_block_id
+        for block, block_hash in zip(zero_ids.tolist(), hashes.tolist()):
+            if block_hash != -1:
+                hash_map.setdefault(block_hash, block)
+        allocator.block_hashes[zero_ids] = hashes
         allocator.total_avail = saved_avail
         _undo_decrement(allocator.block_ref_counts, ids)
         raise
