@@ -112,8 +112,17 @@ def run_case(case: str, patched: bool = True) -> dict:
 #: 1-token chunk after the snapshot at 32; 0.18/0.19: no snapshot at or before the clamped 16).
 CLAMP_SKIPPED = {"0.17": 32, "0.18": 0, "0.19": 0}
 
+#: On 0.17 r1 restores r0's mid-prompt snapshot at token 32 (taken since H4's fix) and differs from
+#: caching off: a restore of an intermediate snapshot is not exact on any release (0.18.2 and
+#: 0.19.2 differ the same way when r1 has 34 tokens and restores it; the block-aligned prompt end of
+#: hybrid_tiny is exact). Not H1 (0.17 has no clamp); open. Strict: a fix shows as XPASS.
+_INTERMEDIATE_RESTORE_INEXACT = pytest.mark.xfail(
+    mcore.release_series(mcore.installed_version()) == "0.17" and not UNPATCHED, strict=True,
+    reason="0.17 restores r0's intermediate Mamba snapshot at 32; intermediate restores are not exact (open)")
+
 
 @pytest.mark.slow
+@_INTERMEDIATE_RESTORE_INEXACT
 def test_clamped_skip_keeps_the_mamba_restore_consistent():
     """Fault H1: r1 (r0's first 33 tokens) must not skip tokens whose Mamba state is not restored.
     With ``MEGATRON_EXT_TEST_UNPATCHED=1`` on 0.18.x and 0.19.x the restore fails while 16 tokens
