@@ -11,6 +11,7 @@ Two cases: ``hybrid_tiny`` (Mamba chunk 16, a restore at the block-aligned end o
 and ``hybrid_chunk256`` (fault H4: Mamba chunk 256; unpatched 0.17 / 0.18 snapshot r0's state at
 token 128, off the chunk grid, and r1 restores it: 128 tokens skipped, r1's log-probs differ; with
 the fix no snapshot there, nothing skipped, bit-identical). About 50 s of CPU time each (0.18.2).
+And fault H1's trigger, ``hybrid_clamp`` (the >= 2-token clamp and the Mamba restore, below).
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext import mcore
+
+#: As in unit_tests/conftest.py: run against the released code, without the runtime patches.
+UNPATCHED = os.environ.get("MEGATRON_EXT_TEST_UNPATCHED", "") == "1"
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = REPO / "functional_tests" / "cases"
 
 #: Runs in the subprocess: count restore_to_live results, run ab, print one JSON line.
 _RUNNER = r"""
-import json, sys
+import functools, json, sys
 from megatron_ext import mcore
 from megatron_ext.harness.ab import run_ab
 from megatron_ext.harness.cases import load_case
@@ -41,13 +46,14 @@ except (ImportError, AttributeError):
     allocator = None
 if allocator is not None and hasattr(allocator, "restore_to_live"):
     original = allocator.restore_to_live
+    @functools.wraps(original)  # patches fingerprint restore_to_live: inspect reads the original
     def counted(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         restores["ok" if result else "failed"] += 1
         return result
     allocator.restore_to_live = counted
     restores["observable"] = True
-result = run_ab(load_case(sys.argv[1]))
+result = run_ab(load_case(sys.argv[1]), patched=sys.argv[2] == "patched")
 out = result.as_json()
 print("RESULT " + json.dumps({
     "failures": result.failures(), "bit_identical": result.bit_identical,
@@ -67,12 +73,7 @@ print("RESULT " + json.dumps({
     ("hybrid_chunk256", 8, (0, 0), (0, 0)),
 ])
 def test_hybrid_prefix_caching_is_bit_identical_with_matches(case, min_blocks, skipped, restores):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(CASES / f"{case}.yaml")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_case(case)
     assert result["invariant"]
     assert result["errors"] == [None, None, None]
     assert result["failures"] == []
@@ -93,3 +94,49 @@ def within(value: int, bounds: tuple[int, int | None]) -> bool:
     """``low <= value <= high``; ``high`` None: no upper bound."""
     low, high = bounds
     return low <= value and (high is None or value <= high)
+
+
+def run_case(case: str, patched: bool = True) -> dict:
+    """Run ``cases/<case>.yaml`` through ``run_ab`` in a fresh interpreter (Triton's interpreter
+    on); the subprocess's one JSON line. ``patched``: with megatron-ext's runtime patches (else none)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
+    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(CASES / f"{case}.yaml"),
+                           "patched" if patched else "unpatched"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+#: hybrid_clamp, patched: r1's prefill tokens skipped per release series (0.17 has no clamp: the
+#: 1-token chunk after the snapshot at 32; 0.18/0.19: no snapshot at or before the clamped 16).
+CLAMP_SKIPPED = {"0.17": 32, "0.18": 0, "0.19": 0}
+
+#: On 0.17 r1 restores r0's mid-prompt snapshot at token 32 (taken since H4's fix) and differs from
+#: caching off: a restore of an intermediate snapshot is not exact on any release (0.18.2 and
+#: 0.19.2 differ the same way when r1 has 34 tokens and restores it; the block-aligned prompt end of
+#: hybrid_tiny is exact). Not H1 (0.17 has no clamp); open. Strict: a fix shows as XPASS.
+_INTERMEDIATE_RESTORE_INEXACT = pytest.mark.xfail(
+    mcore.release_series(mcore.installed_version()) == "0.17" and not UNPATCHED, strict=True,
+    reason="0.17 restores r0's intermediate Mamba snapshot at 32; intermediate restores are not exact (open)")
+
+
+@pytest.mark.slow
+@_INTERMEDIATE_RESTORE_INEXACT
+def test_clamped_skip_keeps_the_mamba_restore_consistent():
+    """Fault H1: r1 (r0's first 33 tokens) must not skip tokens whose Mamba state is not restored.
+    With ``MEGATRON_EXT_TEST_UNPATCHED=1`` on 0.18.x and 0.19.x the restore fails while 16 tokens
+    stay skipped and r1 differs from caching off. About 60 s on one core (0.19.2)."""
+    result = run_case("hybrid_clamp", patched=not UNPATCHED)
+    assert result["invariant"]
+    assert result["errors"] == [None, None]
+    counts = result["policies"]["ref_zero"]
+    # caching on vs off, bit for bit (the restores and skip in the message)
+    assert result["bit_identical"] and result["failures"] == [], (result["restores"], counts, result["failures"])
+    baseline, with_caching = result["tokens"]
+    assert with_caching == baseline and all(len(tokens) == 4 for tokens in baseline)
+    assert counts["blocks_matched"] == 2, counts  # r1 matches r0's first two blocks
+    if result["restores"]["observable"]:
+        # a failed restore means tokens were skipped whose Mamba state is not there
+        assert result["restores"]["failed"] == 0, result["restores"]
+    assert counts["skipped"] == CLAMP_SKIPPED[mcore.release_series(mcore.installed_version())], counts

@@ -36,9 +36,11 @@ _FAULTS_017_018 = {
 }
 EXPECTED_STATUS = {
     "0.17": {**_FAULTS_017_018, "mamba-chunk-size": "applicable", "mamba-snapshot-offsets": "applicable",
-             "mamba-slot-exhaustion": "applicable"},
+             "mamba-slot-exhaustion": "applicable",
+             "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "not needed"},
     "0.18": {**_FAULTS_017_018, "mamba-chunk-size": "not needed", "mamba-snapshot-offsets": "applicable",
-             "mamba-slot-exhaustion": "applicable"},
+             "mamba-slot-exhaustion": "applicable",
+             "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "applicable"},
     "0.19": {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
@@ -49,12 +51,14 @@ EXPECTED_STATUS = {
         "mamba-chunk-size": "not needed",
         "mamba-snapshot-offsets": "not needed",
         "mamba-slot-exhaustion": "applicable",
+        "mamba-match-in-chunk": "not needed",
+        "mamba-clamp-restore": "applicable",
     },
 }
-TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER)
-PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER],
-                   "0.18": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER],
-                   "0.19": [ADD_REQUEST, REGISTER, RESUME, DEREGISTER]}
+TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH)
+PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH],
+                   "0.18": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH],
+                   "0.19": [ADD_REQUEST, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH]}
 #: The wrappers on add_request, outermost first (installed in ALL_PATCHES order).
 ADD_REQUEST_STACK = {"0.17": ["matched-block-writes", "lru-pin-before-allocate"],
                      "0.18": ["matched-block-writes", "lru-pin-before-allocate"],
@@ -63,6 +67,10 @@ ADD_REQUEST_STACK = {"0.17": ["matched-block-writes", "lru-pin-before-allocate"]
 DEREGISTER_STACK = {"0.17": ["deregister-own-hash", "lru-leaf-first-eviction"],
                     "0.18": ["deregister-own-hash", "lru-leaf-first-eviction"],
                     "0.19": ["deregister-own-hash"]}
+#: The wrappers on _compute_prefix_match (issue 22: H5, H1), outermost first.
+PREFIX_MATCH_STACK = {"0.17": ["mamba-match-in-chunk"],
+                      "0.18": ["mamba-clamp-restore", "mamba-match-in-chunk"],
+                      "0.19": ["mamba-clamp-restore"]}
 
 
 @pytest.fixture(autouse=True)
@@ -114,6 +122,7 @@ def test_apply_wraps_exactly_the_needed_targets_and_revert_restores_them(mcore_s
         assert target.original() is original
     assert installed_patches(ADD_REQUEST) == ADD_REQUEST_STACK[mcore_series]
     assert installed_patches(DEREGISTER) == DEREGISTER_STACK[mcore_series]
+    assert installed_patches(COMPUTE_PREFIX_MATCH) == PREFIX_MATCH_STACK[mcore_series]
     reverted = states(megatron_ext.revert())
     assert reverted == {k: ("reverted" if v == "applicable" else "not applied")
                         for k, v in EXPECTED_STATUS[mcore_series].items()}
@@ -204,6 +213,10 @@ def changed_prefix_match(monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(owner, "_compute_prefix_match", _compute_prefix_match)
+    yield
+    # the patches that wrap _compute_prefix_match (H5, H1) wrapped the stand-in: off first, then
+    # monkeypatch puts the original back
+    megatron_ext.revert()
 
 
 def test_changed_target_is_refused_naming_function_and_versions(changed_prefix_match, mcore_version):
@@ -222,9 +235,10 @@ def test_changed_target_is_refused_naming_function_and_versions(changed_prefix_m
 
 
 #: The patches that rely on _compute_prefix_match (refused once it is changed), per release series.
-RELY_ON_PREFIX_MATCH = {"0.17": ["lru-pin-before-allocate", "matched-block-writes"],
-                        "0.18": ["lru-pin-before-allocate", "matched-block-writes"],
-                        "0.19": ["matched-block-writes"]}
+RELY_ON_PREFIX_MATCH = {"0.17": ["lru-pin-before-allocate", "mamba-match-in-chunk", "matched-block-writes"],
+                        "0.18": ["lru-pin-before-allocate", "mamba-clamp-restore", "mamba-match-in-chunk",
+                                 "matched-block-writes"],
+                        "0.19": ["mamba-clamp-restore", "matched-block-writes"]}
 #: The wrappers on _deregister_blocks, outermost first.
 DEREGISTER_STACK = {"0.17": ["deregister-own-hash", "lru-leaf-first-eviction"],
                     "0.18": ["deregister-own-hash", "lru-leaf-first-eviction"],

@@ -7,6 +7,8 @@ from .lru_pin_before_allocate import PinBeforeAllocatePatch
 from .lru_register_once import RegisterOncePatch
 from .lru_resume_evictable import ResumeEvictablePatch
 from .mamba_chunk_size import MambaChunkSizePatch
+from .mamba_clamp_restore import MambaClampRestorePatch
+from .mamba_match_in_chunk import MambaMatchInChunkPatch
 from .mamba_slot_exhaustion import MambaSlotExhaustionPatch
 from .mamba_snapshot_offsets import MambaSnapshotOffsetsPatch
 from .matched_block_writes import MatchedBlockWritesPatch
@@ -28,4 +30,6 @@ ALL_PATCHES: tuple[Patch, ...] = (
     MambaChunkSizePatch(),
     MambaSnapshotOffsetsPatch(),
     MambaSlotExhaustionPatch(),
+    MambaMatchInChunkPatch(),
+    MambaClampRestorePatch(),
 )

@@ -59,12 +59,12 @@ FINGERPRINTS = {
 #: ``add_request`` after the source patches of ``patches/`` (scripts/record_fingerprints.py
 #: --source-patched): code that already has the fix, so the runtime patch is not needed. The
 #: whole series applies, so these include the later patches that edit add_request too (fixes 4
-#: and 8).
+#: and 8; on 0.17/0.18 H5's, which records the chunk's Mamba match).
 SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
-    "0.17.0": {"DynamicInferenceContext.add_request": "e3ba4f324bc80659"},
-    "0.17.1": {"DynamicInferenceContext.add_request": "e3ba4f324bc80659"},
-    "0.18.0": {"DynamicInferenceContext.add_request": "8ccc0da34876dc63"},
-    "0.18.2": {"DynamicInferenceContext.add_request": "8ccc0da34876dc63"},
+    "0.17.0": {"DynamicInferenceContext.add_request": "dbd198a62e77ab12"},
+    "0.17.1": {"DynamicInferenceContext.add_request": "dbd198a62e77ab12"},
+    "0.18.0": {"DynamicInferenceContext.add_request": "891e66594835fe3d"},
+    "0.18.2": {"DynamicInferenceContext.add_request": "891e66594835fe3d"},
     "0.19.0": {"DynamicInferenceContext.add_request": "dfe84e8bedd5fac2"},
     "0.19.2": {"DynamicInferenceContext.add_request": "dfe84e8bedd5fac2"},
 }

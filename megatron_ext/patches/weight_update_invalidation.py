@@ -104,8 +104,8 @@ _SOURCE_COMMON = {
     "DynamicInferenceContext._find_kv_match_count": "3c776c75b1b8d21f",
     "DynamicInferenceContext.reinitialize_inference_state_buffers": "35077e02b99f9b94",
 }
-_SOURCE_V017 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "e3ba4f324bc80659"}
-_SOURCE_V018 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "8ccc0da34876dc63"}
+_SOURCE_V017 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "dbd198a62e77ab12"}
+_SOURCE_V018 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "891e66594835fe3d"}
 _SOURCE_V019 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "dfe84e8bedd5fac2"}
 SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
     "0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "0.18.0": _SOURCE_V018, "0.18.2": _SOURCE_V018,
