@@ -10,10 +10,11 @@ soon-to-be-pinned blocks as evictable, so it admits requests that only fit by th
 
 The fix mirrors megatron-core 0.19.0 (Megatron-LM #5822, 2026-07-23):
 
-- ``add_request``: the matched blocks get one extra ref count for the duration of the released
-  call (so allocation can never evict them); the call's own pin then raises them as released,
-  and the extra count is dropped when it returns or raises (0.19 rolls its pin back when the
-  allocation fails; here the released code has not pinned yet at that point);
+- ``add_request``: when the free pool is short of the blocks the call takes from it (only then
+  does allocation evict), the matched blocks get one extra ref count for the duration of the
+  released call (so allocation can never evict them); the call's own pin then raises them as
+  released, and the extra count is dropped when it returns or raises (0.19 rolls its pin back when
+  the allocation fails; here the released code has not pinned yet at that point);
 - ``check_availability``: matched blocks now at ref count 0 no longer count as evictable.
 
 Only LRU changes (REF_ZERO never evicts on allocation).
