@@ -119,6 +119,27 @@ def test_fault4_matched_blocks_are_pinned_before_allocating(runtime_patches_eith
         assert allocator.block_timestamps.tolist() == [3, 3, 3, 3, 0]
 
 
+def test_add_request_matches_its_prefix_once(runtime_patches_either_order):
+    """The admission path computes a request's prefix match once: lru-pin-before-allocate (0.17/0.18)
+    hands the match it computed to the released add_request instead of letting it match again.
+    Regression guard for the admission cost (README, Benchmarks), on every release."""
+    with four_block_lru_context() as ctx:
+        step(ctx, (1, A))
+        step(ctx, (2, B))  # the pool is full of cached blocks: allocation must evict
+        ctx.prefix_cache_lru_clock += 1
+        compute, calls = ctx._compute_prefix_match, []
+
+        def counted(req, chunk, *more, **options):
+            calls.append((req.request_id, chunk))
+            return compute(req, chunk, *more, **options)
+
+        ctx._compute_prefix_match = counted
+        ctx.add_request(make_request(3, A + list(range(4000, 4032))))
+        assert calls == [(3, 64)]
+        assert ctx.__dict__["_compute_prefix_match"] is counted  # the instance's own attribute is back
+        assert table(ctx, 4) == [2, 3, 1, 0]
+
+
 def test_fault4_check_availability_does_not_count_unpinned_matches_as_evictable(runtime_patches_either_order):
     with four_block_lru_context() as ctx:
         step(ctx, (1, A))
