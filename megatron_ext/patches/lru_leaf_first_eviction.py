@@ -49,6 +49,7 @@ import torch
 from ..errors import MegatronExtError
 from ..mcore import DYNAMIC_CONTEXT_MODULE, KV_BLOCK_ALLOCATOR_MODULE, uses_lru_prefix_caching
 from ..patching import Patch, Target, installed_patches
+from .lru_register_once import unregistered
 
 INIT = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.__init__")
 REGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.register_kv_block_hashes")
@@ -186,19 +187,11 @@ def register_with_parents(
         parent_hashes: each block's parent hash (0 for a root), or None: parents from the block
             table of the request ``add_request`` is adding.
 
-    Runs on every admission under LRU: a registration of hashes the hash map does not know (every
-    first registration) skips the idempotence check, since a block can hold its hash only while
-    the map has it (see ``lru_register_once``).
+    Blocks already holding their hash are left out (:func:`~.lru_register_once.unregistered`).
     """
-    if any(map(allocator.kv_hash_to_block_id.__contains__, block_hashes)):
-        held = allocator.block_hashes[torch.tensor(block_ids, dtype=torch.int64)].tolist()
-        keep = [i for i, (h, old) in enumerate(zip(block_hashes, held)) if h != old]
-        if not keep:
-            return  # every block already holds its hash: registering again changes nothing
-        if len(keep) < len(block_ids):
-            block_ids = [block_ids[i] for i in keep]
-            block_hashes = [block_hashes[i] for i in keep]
-            parent_hashes = None if parent_hashes is None else [parent_hashes[i] for i in keep]
+    block_ids, block_hashes, parent_hashes = unregistered(allocator, block_ids, block_hashes, parent_hashes)
+    if not block_ids:
+        return  # every block already holds its hash: registering again changes nothing
     register(block_ids, block_hashes)
     parent_id, child_count = prefix_forest(allocator)
     if parent_hashes is None:

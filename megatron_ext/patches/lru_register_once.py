@@ -39,29 +39,45 @@ def _bind(block_ids: list[int], block_hashes: list[int], parent_hashes: list[int
     return list(block_ids), list(block_hashes), parent_hashes
 
 
-def _register_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
-    """Register only the blocks that do not hold their hash yet (``parent_hashes`` narrowed alike).
+def unregistered(
+    allocator: Any, block_ids: list[int], block_hashes: list[int], parent_hashes: list[int] | None,
+) -> tuple[list[int], list[int], list[int] | None]:
+    """A registration narrowed to the blocks that do not hold their hash yet.
 
-    Only LRU keeps child counts, so only LRU changes. A block can hold its hash only if the hash
-    is in the hash map (registration puts it there; a block's own deregistration takes both away),
-    so a registration of hashes the map does not know, every first registration, goes straight
-    through. The map can miss a hash a block still holds only after one hash was put on two blocks
-    and the one the map points at was deregistered: ``add_request`` never registers a hash the map
-    has (it matches first), so the engine cannot get there.
+    Args:
+        allocator: a ``KVBlockAllocator``.
+        block_ids, block_hashes: equal-length lists of ints; ``parent_hashes``: the same length, or
+            None. Returned unchanged when no block holds its hash, narrowed alike otherwise (all
+            three empty when every block holds its hash).
+
+    A block can hold its hash only if the hash is in the hash map (registration puts it there; a
+    block's own deregistration takes both away), so a registration of hashes the map does not
+    know, every first registration, skips the gather of ``block_hashes``. The map can miss a hash
+    a block still holds only after one hash was put on two blocks and the one the map points at
+    was deregistered: ``add_request`` never registers a hash the map has (it matches first), so
+    the engine cannot get there.
     """
-    if allocator.prefix_caching_eviction_policy.name != "LRU":
-        return wrapped(*args, **kwargs)
-    block_ids, block_hashes, parent_hashes = _bind(*args, **kwargs)
-    if not block_ids or not any(map(allocator.kv_hash_to_block_id.__contains__, block_hashes)):
-        return wrapped(block_ids, block_hashes, parent_hashes)
+    if not any(map(allocator.kv_hash_to_block_id.__contains__, block_hashes)):
+        return block_ids, block_hashes, parent_hashes
     held = allocator.block_hashes[torch.tensor(block_ids, dtype=torch.int64)].tolist()
     keep = [i for i, (h, old) in enumerate(zip(block_hashes, held)) if h != old]
     if len(keep) == len(block_ids):
-        return wrapped(block_ids, block_hashes, parent_hashes)
-    if not keep:
-        return None
-    parents = None if parent_hashes is None else [parent_hashes[i] for i in keep]
-    return wrapped([block_ids[i] for i in keep], [block_hashes[i] for i in keep], parents)
+        return block_ids, block_hashes, parent_hashes
+    return ([block_ids[i] for i in keep], [block_hashes[i] for i in keep],
+            None if parent_hashes is None else [parent_hashes[i] for i in keep])
+
+
+def _register_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
+    """Register only the blocks that do not hold their hash yet (:func:`unregistered`). Only LRU
+    keeps child counts, so only LRU changes."""
+    if allocator.prefix_caching_eviction_policy.name != "LRU":
+        return wrapped(*args, **kwargs)
+    block_ids, block_hashes, parent_hashes = _bind(*args, **kwargs)
+    if block_ids:
+        block_ids, block_hashes, parent_hashes = unregistered(allocator, block_ids, block_hashes, parent_hashes)
+        if not block_ids:
+            return None  # every block already holds its hash: registering again changes nothing
+    return wrapped(block_ids, block_hashes, parent_hashes)
 
 
 def probe_double_registration(register: Callable) -> tuple[bool, str]:
