@@ -46,6 +46,30 @@ def wrap_method(original: Any, wrapper: Callable, patch_name: str) -> Callable:
     return patched
 
 
+class ShadowedMethod:
+    """Within the block, ``instance.name`` is ``value``: an instance attribute shadowing the
+    class's method, so the released code calling ``self.name(...)`` meets ``value``. On exit the
+    instance's own attribute is back as it was (its value, or its absence). A class, not a
+    generator context manager: it runs on admission paths.
+    """
+
+    __slots__ = ("state", "name", "value", "saved")
+    _ABSENT = object()
+
+    def __init__(self, instance: Any, name: str, value: Any) -> None:
+        self.state, self.name, self.value = instance.__dict__, name, value
+
+    def __enter__(self) -> None:
+        self.saved = self.state.get(self.name, self._ABSENT)
+        self.state[self.name] = self.value
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.saved is self._ABSENT:
+            del self.state[self.name]
+        else:
+            self.state[self.name] = self.saved
+
+
 class PatchState(str, enum.Enum):
     """Where a patch stands. ``str`` values are what ``status --json`` prints."""
 

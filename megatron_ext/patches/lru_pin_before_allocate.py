@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from ..mcore import DYNAMIC_CONTEXT_MODULE, KV_BLOCK_ALLOCATOR_MODULE, uses_lru_prefix_caching
-from ..patching import Patch, Target
+from ..patching import Patch, ShadowedMethod, Target
 
 ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
 CHECK_AVAILABILITY = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.check_availability")
@@ -81,23 +81,12 @@ def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: d
         ref_counts = allocator.block_ref_counts
         pinned = torch.tensor(match[0], dtype=torch.int64, device=ref_counts.device)
         ref_counts.index_add_(0, pinned, torch.ones_like(pinned, dtype=ref_counts.dtype))
-    state = context.__dict__
-    shadowed = state.get(SHARED_MATCH_ATTR)  # someone's own instance attribute: put back after
-    state[SHARED_MATCH_ATTR] = computed_match
     try:
-        return wrapped(*args, **kwargs)
+        with ShadowedMethod(context, COMPUTE_PREFIX_MATCH.attribute, computed_match):
+            return wrapped(*args, **kwargs)
     finally:
-        if shadowed is None:
-            del state[SHARED_MATCH_ATTR]
-        else:
-            state[SHARED_MATCH_ATTR] = shadowed
         if pinned is not None:
             ref_counts.index_add_(0, pinned, torch.full_like(pinned, -1, dtype=ref_counts.dtype))
-
-
-#: The instance attribute that shadows ``DynamicInferenceContext._compute_prefix_match`` while
-#: the released ``add_request`` runs under the wrapper.
-SHARED_MATCH_ATTR = COMPUTE_PREFIX_MATCH.attribute
 
 
 def blocks_after_match_fit(context: Any, req: Any) -> bool:

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from ..mcore import MAMBA_SLOT_ALLOCATOR_MODULE
-from ..patching import Patch, Target
+from ..patching import Patch, ShadowedMethod, Target
 
 ALLOCATE = Target(MAMBA_SLOT_ALLOCATOR_MODULE, "MambaSlotAllocator.allocate_slots_batch")
 COMMIT = Target(MAMBA_SLOT_ALLOCATOR_MODULE, "MambaSlotAllocator.commit_intermediate_states")
@@ -141,11 +141,8 @@ def _commit_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict
         allocator._clear_intermediate_state()
         return None
     # the released commit calls self._collect_commit_data() once: give it the kept subset
-    allocator._collect_commit_data = lambda: kept
-    try:
+    with ShadowedMethod(allocator, COLLECT.attribute, lambda: kept):
         return wrapped(*args, **kwargs)
-    finally:
-        del allocator._collect_commit_data
 
 
 def _probe_allocator() -> Any:
