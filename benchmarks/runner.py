@@ -451,7 +451,7 @@ class Bench:
                     for r in range(c.wu_add_rounds):
                         shift = r % len(variants)
                         for variant in variants[shift:] + variants[:shift]:
-                            timed[variant].add(worker.call("wu_add_time", variant=variant, reps=c.wu_add_batch))
+                            timed[variant].add(worker.call("add_time", variant=variant, reps=c.wu_add_batch))
                     ratio = compare(timed["fault8"], timed["unpatched"])
                     medians = {v: t.summary()[key]["median"] for v, t in timed.items()}
                     outcomes = case["outcomes"]

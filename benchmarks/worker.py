@@ -117,8 +117,10 @@ class Worker:
 
     # -- section 2 -------------------------------------------------------------------------
 
-    def op_add_case(self, policy: str, max_prompt: int, length: int, match: str) -> dict:
-        """What the probe's ``add_request`` did under each variant (checked equal across them)."""
+    def op_add_case(self, policy: str, max_prompt: int, length: int, match: str,
+                    variants: tuple[str, ...] = ("unpatched", "patched")) -> dict:
+        """What the probe's ``add_request`` did under each of ``variants`` (each installed on every
+        target), to be checked equal across them."""
         from .add_request import AddRequestBench
 
         key = (policy, max_prompt)
@@ -127,7 +129,7 @@ class Worker:
         self.add_bench = bench = self.add_benches[key]
         bench.setup(length, match)
         outcomes = {}
-        for variant in ("unpatched", "patched"):
+        for variant in variants:
             self.install(variant)
             outcomes[variant] = bench.probe_once(self.functions[variant]["add_request"])
         self.install("unpatched")
@@ -164,30 +166,9 @@ class Worker:
     # -- section 6 -------------------------------------------------------------------------
 
     def op_wu_add_case(self, policy: str, max_prompt: int, length: int, match: str) -> dict:
-        """Section 2's probe with variants ``unpatched`` and ``fault8`` (only this patch's wrappers)."""
-        from .add_request import AddRequestBench
-
-        key = (policy, max_prompt)
-        if key not in self.add_benches:
-            self.add_benches[key] = AddRequestBench(policy, max_prompt)
-        self.add_bench = bench = self.add_benches[key]
-        bench.setup(length, match)
-        outcomes = {}
-        for variant in ("unpatched", "passthrough8", "fault8"):
-            self.install(variant)
-            outcomes[variant] = bench.probe_once(self.functions[variant]["add_request"])
-        self.install("unpatched")
-        gc.collect()
-        return {"outcomes": outcomes}
-
-    def op_wu_add_time(self, variant: str, reps: int) -> dict:
-        """``variant``'s functions installed on every target (``_find_kv_match_count`` too)."""
-        self.install(variant)
-        try:
-            wall, cpu = self.add_bench.time(self.functions[variant]["add_request"], reps)
-        finally:
-            self.install("unpatched")
-        return {"wall": wall, "cpu": cpu}
+        """Section 2's probe with variants ``unpatched``, ``passthrough8`` and ``fault8`` (only
+        this patch's wrappers)."""
+        return self.op_add_case(policy, max_prompt, length, match, ("unpatched", "passthrough8", "fault8"))
 
     def op_wu_flush_setup(self, scenario: str, pool: int, registered: int) -> dict:
         """A context in ``scenario``'s state, built and flushed with every patch applied by
