@@ -295,7 +295,7 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
     training_args = megatron_lm_args(case.model, padded_vocab_size(case.model.vocab_size, tp), tp, pp)
     log = _library_log(args, "save-checkpoint")
     try:
-        with library_output(log) as output, cpu_backend():
+        with library_output(log) as output, cpu_backend(mamba=case.model.is_hybrid):
             ensure_model_parallel(tp, pp)
             model = build_model(case)
             path = save_megatron_lm_checkpoint(model, args.directory, training_args, args.iteration)

@@ -8,6 +8,10 @@ reader of a checkpoint's common state (``checkpoint.read_common_state``).
 * Megatron-LM conventions: ``group_query_attention`` gates ``num_query_groups``; old
   ``disable_bias_linear`` / ``use_rotary_position_embeddings``; ``kv_channels`` equal to
   hidden / heads is the default; fusion flags are ignored.
+* Hybrid models: the layer pattern (``hybrid_layer_pattern`` or the older
+  ``hybrid_override_pattern``), the Mamba sizes (Megatron-LM's defaults where absent), the
+  inference state dtypes, megatron-core's hybrid stack spec accepted; patterns derived from ratios,
+  with multi-token prediction, or given twice differently are refused by name.
 * ``read_common_state`` of a ``common.pt`` holding objects of classes outside megatron-core's
   safe globals: plain values read, the unknown objects come back as ``UnloadedObject`` and
   nothing named in the file runs.
@@ -101,7 +105,7 @@ def _args(**changes) -> argparse.Namespace:
     ({"use_rope_scaling": True}, "use_rope_scaling=True (Llama-3.1 RoPE scaling)"),
     ({"fp16": True, "bf16": False}, "fp16=True (fp16 parameters (the harness builds fp32 or bf16))"),
     ({"window_size": (4096, 0)}, "window_size=(4096, 0) (sliding-window attention)"),
-    ({"position_embedding_type": "mrope"}, "position_embedding_type='mrope' (the harness builds learned_absolute or rope)"),
+    ({"position_embedding_type": "mrope"}, "position_embedding_type='mrope' (the harness builds learned_absolute or rope or none)"),
     ({"normalization": "L2Norm"}, "normalization='L2Norm' (the harness builds LayerNorm or RMSNorm)"),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
 def test_unsupported_argument_is_refused_by_name(changes, named):
@@ -284,3 +288,70 @@ def test_agreeing_model_section_or_no_args_passes(tmp_path):
     check_case_model_matches_args(_source_with_args(tmp_path, megatron_lm_args(LLAMA, 512)), LLAMA)
     torch.save({"iteration": 3}, tmp_path / "common.pt")  # saved by dist_checkpointing.save alone: no args
     check_case_model_matches_args(CheckpointSource(str(tmp_path), str(tmp_path), 3), LLAMA)
+
+
+HYBRID = ModelSpec(hybrid_layer_pattern="M*M-", hidden_size=32, num_attention_heads=2, mamba_state_dim=8,
+                   mamba_head_dim=16, mamba_num_groups=1, position_embedding_type="none", normalization="RMSNorm",
+                   params_dtype="fp32", add_bias_linear=False, untie_embeddings_and_output_weights=False,
+                   mamba_ssm_states_dtype="fp32")
+
+
+def _hybrid_args(**changes) -> argparse.Namespace:
+    args = megatron_lm_args(HYBRID, 257)
+    for name, value in changes.items():
+        setattr(args, name, value)
+    return args
+
+
+def test_hybrid_args_round_trip_with_megatron_lm_names():
+    args = vars(megatron_lm_args(HYBRID, 257))
+    assert {k: args[k] for k in ("num_layers", "hybrid_layer_pattern", "hybrid_override_pattern", "mamba_state_dim",
+                                 "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "position_embedding_type",
+                                 "add_position_embedding", "use_rotary_position_embeddings")} == dict(
+        num_layers=4, hybrid_layer_pattern="M*M-", hybrid_override_pattern=None, mamba_state_dim=8, mamba_head_dim=16,
+        mamba_num_groups=1, mamba_num_heads=None, position_embedding_type="none", add_position_embedding=False,
+        use_rotary_position_embeddings=False)
+    assert args["mamba_inference_ssm_states_dtype"] is torch.float32 and "mamba_inference_conv_states_dtype" not in args
+    assert model_spec_from_args(argparse.Namespace(**args), "ckpt", HYBRID) == HYBRID
+    assert "hybrid_layer_pattern" not in vars(megatron_lm_args(LLAMA, 512))
+
+
+def test_hybrid_checkpoint_args_as_megatron_lm_writes_them():
+    """Legacy pattern name, pipeline separators, num_layers from the pattern, Mamba defaults,
+    megatron-core's hybrid stack spec, inference state dtypes as Megatron-LM maps them."""
+    args = _hybrid_args(hybrid_layer_pattern=None, hybrid_override_pattern="M*|M-", num_layers=9,
+                        spec=["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"],
+                        mamba_inference_ssm_states_dtype=torch.float32, mamba_inference_conv_states_dtype="bf16")
+    for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads"):
+        delattr(args, name)
+    args.hidden_size, args.num_attention_heads = 128, 4  # 2 * 128 / head dim 64 = 4 heads, 8 groups do not divide
+    with pytest.raises(CheckpointError, match=r"mamba_num_groups=8 must divide mamba_num_heads=4"):
+        model_spec_from_args(args, "--load /ckpt")
+    args.hidden_size = 512  # 16 Mamba heads of 64
+    spec = model_spec_from_args(args, "--load /ckpt")
+    assert (spec.hybrid_layer_pattern, spec.num_layers, spec.mamba_state_dim, spec.mamba_head_dim,
+            spec.mamba_num_groups, spec.mamba_num_heads, spec.mamba_chunk_size, spec.mamba_ssm_states_dtype,
+            spec.mamba_conv_states_dtype) == ("M*M-", 4, 128, 64, 8, None, 128, "fp32", "bf16")
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"hybrid_layer_pattern": "M*M-/MM"}, "hybrid_layer_pattern='M*M-/MM' (multi-token prediction layers after '/')"),
+    ({"hybrid_override_pattern": "MMMM"},
+     "hybrid_layer_pattern='M*M-' and hybrid_override_pattern='MMMM' (two layer patterns)"),
+    ({"hybrid_layer_pattern": None, "hybrid_attention_ratio": 0.25},
+     "hybrid_attention_ratio=0.25 without hybrid_layer_pattern (a layer pattern Megatron-LM derives from ratios)"),
+    ({"hybrid_layer_pattern": None, "is_hybrid_model": True},
+     "is_hybrid_model=True without hybrid_layer_pattern (a layer pattern Megatron-LM derives from ratios)"),
+    ({"spec": ["my.module", "hybrid_stack_spec_v2"]}, "spec=['my.module', 'hybrid_stack_spec_v2'] (a custom layer spec module)"),
+], ids=["mtp", "two-patterns", "ratio", "is-hybrid-model", "custom-spec"])
+def test_hybrid_arguments_the_harness_cannot_build_are_refused_by_name(changes, named):
+    with pytest.raises(CheckpointError) as info:
+        model_spec_from_args(_hybrid_args(**changes), "--load /ckpt")
+    assert str(info.value) == f"--load /ckpt: the checkpoint's model has arguments the harness cannot build: {named}"
+
+
+def test_hybrid_stack_spec_is_refused_for_a_gpt_model():
+    with pytest.raises(CheckpointError, match=r"spec=\['megatron.core.models.hybrid.hybrid_layer_specs', "
+                                              r"'hybrid_stack_spec'\] \(a custom layer spec module\)$"):
+        model_spec_from_args(_args(spec=["megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]),
+                             "--load /ckpt")

@@ -161,3 +161,57 @@ def test_query_groups_only_with_group_query_attention_and_layout_only_when_given
     assert (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size) == (None, None)
     gqa = load_megatron_case(write(tmp_path, {**args, "--num-query-groups": 2, "--group-query-attention": True}))
     assert gqa.case.model.num_query_groups == 2
+
+
+#: Shaped like Megatron-LM's hybrid_dynamic_inference_tp1_pp1_dp8_583m_chunked_prefill case, tiny.
+HYBRID_ARGS = {
+    **{k: v for k, v in MODEL_ARGS.items() if k not in ("--use-checkpoint-args", "--load", "--tokenizer-type",
+                                                          "--tokenizer-model", "--num-layers", "--bf16")},
+    "--model-provider": "hybrid",
+    "--transformer-impl": "transformer_engine",
+    "--hybrid-layer-pattern": "M*|M-",
+    "--spec": "megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec",
+    "--position-embedding-type": "none",
+    "--normalization": "RMSNorm",
+    "--disable-bias-linear": True,
+    "--mamba-state-dim": 8,
+    "--mamba-head-dim": 16,
+    "--mamba-num-groups": 1,
+    "--mamba-inference-ssm-states-dtype": "fp32",
+}
+
+
+def test_hybrid_model_flags_map_to_the_model_section(tmp_path):
+    mc = load_megatron_case(write(tmp_path, HYBRID_ARGS))
+    model = mc.case.model
+    assert (model.hybrid_layer_pattern, model.num_layers, model.mamba_state_dim, model.mamba_head_dim,
+            model.mamba_num_groups, model.position_embedding_type, model.params_dtype) == (
+        "M*M-", 4, 8, 16, 1, "none", "fp32")
+    # given: fp32; absent: Megatron-LM's default, bf16
+    assert (model.mamba_ssm_states_dtype, model.mamba_conv_states_dtype) == ("fp32", "bf16")
+    ignored = dict(mc.ignored)
+    assert "--spec" not in ignored and "--hybrid-layer-pattern" not in ignored
+    assert ignored["--model-provider"].startswith("ab builds a hybrid model when the file gives --hybrid-layer-pattern")
+
+
+def test_older_pattern_name_and_num_layers_follow_megatron_lm(tmp_path):
+    args = {k: v for k, v in HYBRID_ARGS.items() if k != "--hybrid-layer-pattern"}
+    model = load_megatron_case(write(tmp_path, {**args, "--hybrid-override-pattern": "MM*",
+                                                "--num-layers": 7})).case.model
+    assert (model.hybrid_layer_pattern, model.num_layers) == ("MM*", 3)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--hybrid-override-pattern": "MMMM"}, "--hybrid-layer-pattern and --hybrid-override-pattern both given"),
+    ({"--hybrid-layer-pattern": "M*M-/MM"}, "multi-token prediction layers (after '/') are not supported by ab"),
+    ({"--spec": "my.module my_hybrid_spec"}, "refused: --spec (a custom layer spec"),
+    ({"--hybrid-layer-pattern": None}, "refused: --spec (a custom layer spec"),
+    ({"--hybrid-attention-ratio": 0.25}, "refused: --hybrid-attention-ratio (a layer pattern derived from ratios"),
+    ({"--mamba-inference-conv-states-dtype": "fp16"}, "--mamba-inference-conv-states-dtype fp16: ab runs bf16 or fp32"),
+    ({"--spec": None, "--hybrid-layer-pattern": None}, "mamba_state_dim applies to hybrid models only"),
+], ids=["two-patterns", "mtp", "custom-spec", "spec-without-pattern", "ratio", "fp16-states", "mamba-sizes-alone"])
+def test_hybrid_refusals_name_the_argument(tmp_path, change, message):
+    args = {k: v for k, v in {**HYBRID_ARGS, **change}.items() if v is not None}
+    with pytest.raises(CaseFileError) as error:
+        load_megatron_case(write(tmp_path, args))
+    assert message in str(error.value)

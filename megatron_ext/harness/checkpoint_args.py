@@ -44,7 +44,20 @@ UNSUPPORTED_ARGS = {
 }
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-_POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+_POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+
+#: ``--spec`` values of megatron-core's own hybrid stack specs (Transformer Engine modules; 0.17
+#: ``mamba_stack_spec``): the harness builds the same layers from local modules, saved and loaded
+#: under the same checkpoint keys (:mod:`megatron_ext.harness.hybrid`).
+HYBRID_STACK_SPECS = ("hybrid_stack_spec", "mamba_stack_spec")
+
+#: Megatron-LM's Mamba sizes in a checkpoint's args, with its defaults (``TransformerConfig``'s)
+#: where they are absent, and the ``ModelSpec`` field each becomes.
+MAMBA_ARGS = {"mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8, "mamba_num_heads": None}
+
+#: Megatron-LM's ``--mamba-inference-*-states-dtype`` values (strings, or torch dtypes once its
+#: argument parsing mapped them) -> ``ModelSpec`` dtype names.
+_STATE_DTYPES = {"fp32": "fp32", "bf16": "bf16", torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 def megatron_lm_args(spec: ModelSpec, padded_vocab_size: int, tensor_model_parallel_size: int = 1,
@@ -61,6 +74,7 @@ def megatron_lm_args(spec: ModelSpec, padded_vocab_size: int, tensor_model_paral
     dtype = torch.bfloat16 if spec.params_dtype == "bf16" else torch.float32
     rope = spec.position_embedding_type == "rope"
     return argparse.Namespace(
+        **_hybrid_args(spec),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.effective_ffn_hidden_size() or 4 * spec.hidden_size,
@@ -75,7 +89,7 @@ def megatron_lm_args(spec: ModelSpec, padded_vocab_size: int, tensor_model_paral
         swiglu=spec.swiglu,
         squared_relu=False,
         position_embedding_type=spec.position_embedding_type,
-        add_position_embedding=not rope,
+        add_position_embedding=spec.position_embedding_type == "learned_absolute",
         use_rotary_position_embeddings=rope,
         rotary_base=spec.rotary_base,
         rotary_percent=spec.rotary_percent,
@@ -104,10 +118,47 @@ def megatron_lm_args(spec: ModelSpec, padded_vocab_size: int, tensor_model_paral
     )
 
 
+def _hybrid_args(spec: ModelSpec) -> dict[str, Any]:
+    """A hybrid model's Megatron-LM arguments (``hybrid_layer_pattern``, the ``mamba_*`` sizes, the
+    inference state dtypes where the spec sets them, as torch dtypes like Megatron-LM's parsed
+    args); none for a GPT model."""
+    if not spec.is_hybrid:
+        return {}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    states = {arg: dtypes[value] for arg, value in (
+        ("mamba_inference_ssm_states_dtype", spec.mamba_ssm_states_dtype),
+        ("mamba_inference_conv_states_dtype", spec.mamba_conv_states_dtype)) if value is not None}
+    return {"hybrid_layer_pattern": spec.hybrid_layer_pattern, "hybrid_override_pattern": None,
+            **{name: getattr(spec, name) for name in MAMBA_ARGS}, **states}
+
+
+def _hybrid_pattern(args: Any) -> tuple[Optional[str], list[str]]:
+    """``(layer pattern or None, refusals)`` from ``hybrid_layer_pattern`` (or the older
+    ``hybrid_override_pattern``). Pipeline-stage separators (``|``) are dropped: they lay the
+    layers out over stages, which ``ab`` takes from the case (dist checkpointing reshards)."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    legacy = getattr(args, "hybrid_override_pattern", None)
+    if pattern is not None and legacy is not None and pattern != legacy:
+        return None, [f"hybrid_layer_pattern={pattern!r} and hybrid_override_pattern={legacy!r} (two layer patterns)"]
+    pattern = pattern if pattern is not None else legacy
+    if pattern is None:
+        ratios = [f"{name}={getattr(args, name)!r}" for name in ("hybrid_attention_ratio", "hybrid_mlp_ratio")
+                  if getattr(args, name, 0)]
+        if ratios or getattr(args, "is_hybrid_model", False):
+            return None, [f"{', '.join(ratios) or 'is_hybrid_model=True'} without hybrid_layer_pattern (a "
+                          "layer pattern Megatron-LM derives from ratios)"]
+        return None, []
+    if "/" in pattern:
+        return None, [f"hybrid_layer_pattern={pattern!r} (multi-token prediction layers after '/')"]
+    return pattern.replace("|", ""), []
+
+
 def _refusals(args: Any) -> list[str]:
-    refused = []
+    pattern, refused = _hybrid_pattern(args)
     for name, (required, what) in UNSUPPORTED_ARGS.items():
         value = getattr(args, name, required)
+        if name == "spec" and pattern is not None and _is_hybrid_stack_spec(value):
+            continue
         if value == required or (required is None and value in (0, False)):
             continue
         refused.append(f"{name}={value!r} ({what})")
@@ -119,6 +170,28 @@ def _refusals(args: Any) -> list[str]:
         refused.append(f"position_embedding_type={position!r} (the harness builds "
                        f"{' or '.join(_POSITION_EMBEDDINGS)})")
     return refused
+
+
+def _is_hybrid_stack_spec(value: Any) -> bool:
+    """Whether a ``--spec`` value (``[module, function]``) names megatron-core's hybrid stack spec."""
+    return isinstance(value, (list, tuple)) and len(value) == 2 and value[1] in HYBRID_STACK_SPECS
+
+
+def _mamba_fields(args: Any, pattern: Optional[str]) -> dict[str, Any]:
+    """The ``ModelSpec`` fields of a hybrid model's Mamba sizes and inference state dtypes
+    (none for a GPT model; dtypes only where the args carry a value the harness builds)."""
+    if pattern is None:
+        return {}
+    fields: dict[str, Any] = {"hybrid_layer_pattern": pattern, "num_layers": len(pattern)}
+    for name, default in MAMBA_ARGS.items():
+        value = getattr(args, name, default)
+        fields[name] = default if value is None and default is not None else value
+    for field_name, arg in (("mamba_ssm_states_dtype", "mamba_inference_ssm_states_dtype"),
+                            ("mamba_conv_states_dtype", "mamba_inference_conv_states_dtype")):
+        value = getattr(args, arg, None)
+        if value is not None and value in _STATE_DTYPES:
+            fields[field_name] = _STATE_DTYPES[value]
+    return fields
 
 
 def _position_embedding_type(args: Any) -> Any:
@@ -144,6 +217,12 @@ def model_spec_from_args(args: Any, where: str, base: Optional[ModelSpec] = None
     ``--use-checkpoint-args`` would build), with ``seed`` and ``init_method_std`` from ``base``
     (they only shape random weights, which the checkpoint replaces).
 
+    A hybrid model (``hybrid_layer_pattern``, or the older ``hybrid_override_pattern``) gets its
+    pattern (pipeline separators ``|`` dropped; ``num_layers`` its length, as Megatron-LM does),
+    its Mamba sizes (Megatron-LM's defaults where absent) and the Mamba chunk size 128
+    (``MambaMixer``'s; Megatron-LM has no argument for it). ``--spec`` naming megatron-core's
+    hybrid stack spec is accepted for it.
+
     Args:
         args: the ``args`` of a checkpoint's common state (an ``argparse.Namespace``).
         where: the checkpoint, named in errors.
@@ -151,7 +230,8 @@ def model_spec_from_args(args: Any, where: str, base: Optional[ModelSpec] = None
 
     Raises:
         CheckpointError: an argument the harness cannot honour (named with its value, e.g.
-            ``num_experts=64 (mixture of experts)``), a required one missing (``num_layers``,
+            ``num_experts=64 (mixture of experts)``, a layer pattern derived from ratios or with
+            multi-token prediction layers), a required one missing (``num_layers``,
             ``hidden_size``, ``num_attention_heads``, ``padded_vocab_size``, and
             ``max_position_embeddings`` or ``seq_length``), or values ``ModelSpec`` refuses.
     """
@@ -202,6 +282,7 @@ def model_spec_from_args(args: Any, where: str, base: Optional[ModelSpec] = None
         seed=base.seed,
         init_method_std=base.init_method_std,
     )
+    fields.update(_mamba_fields(args, _hybrid_pattern(args)[0]))
     try:
         return ModelSpec.model_validate(fields)
     except ValidationError as exc:

@@ -224,8 +224,9 @@ def build_engine(model: Any, case: Case, prefix_caching: bool, eviction_policy: 
     if case.model.is_hybrid:
         from .hybrid import mamba_inference_state_config
 
-        dtype = case.model.mamba_ssm_states_dtype
-        mamba = mamba_inference_state_config(model, None if dtype is None else _DTYPES[dtype])
+        ssm, conv = case.model.mamba_ssm_states_dtype, case.model.mamba_conv_states_dtype
+        mamba = mamba_inference_state_config(model, None if ssm is None else _DTYPES[ssm],
+                                             None if conv is None else _DTYPES[conv])
     context = dynamic_context.DynamicInferenceContext(
         model.config, inference_config(case, prefix_caching, eviction_policy, mamba))
     wrapped = wrapper.GPTInferenceWrapper(model, context)

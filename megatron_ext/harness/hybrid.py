@@ -60,6 +60,16 @@ def _local_gpt_layer(spec: ModelSpec) -> Any:
     return layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, **options)
 
 
+#: Checkpoint key of each layer's norm in megatron-core's Transformer Engine hybrid spec
+#: (``hybrid_stack_spec`` / 0.17 ``mamba_stack_spec``), which fuses the norm into the next linear
+#: layer (``TELayerNormColumnParallelLinear``): the local layers' norms are saved and loaded under
+#: these names, so checkpoints of Megatron-LM hybrid models load (as megatron-core's local GPT
+#: spec does for GPT layers).
+MAMBA_NORM_KEYS = {"norm.": "mixer.in_proj.layer_norm_"}
+ATTENTION_NORM_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+MLP_NORM_KEYS = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
 def hybrid_stack_spec(spec: ModelSpec) -> Any:
     """The ``ModuleSpec`` of a hybrid stack made of megatron-core's local (non-TE) modules.
 
@@ -68,6 +78,9 @@ def hybrid_stack_spec(spec: ModelSpec) -> Any:
       ``chunk_size=spec.mamba_chunk_size``;
     * ``*``: ``TransformerLayer`` with the local GPT spec's input norm and self-attention, no MLP;
     * ``-``: ``MLPLayer`` with the local GPT spec's pre-MLP norm and MLP.
+
+    Each layer's norm is checkpointed under the Transformer Engine spec's name
+    (:data:`MAMBA_NORM_KEYS`, :data:`ATTENTION_NORM_KEYS`, :data:`MLP_NORM_KEYS`).
     """
     spec_utils = mcore.import_module("megatron.core.transformer.spec_utils")
     mamba_layer = mcore.import_module("megatron.core.ssm.mamba_layer")
@@ -91,6 +104,7 @@ def hybrid_stack_spec(spec: ModelSpec) -> Any:
                     out_proj=tensor_parallel.RowParallelLinear),
             ),
             mamba_bda=bda.get_bias_dropout_add,
+            sharded_state_dict_keys_map=dict(MAMBA_NORM_KEYS),
         ),
     )
     attention = ModuleSpec(
@@ -99,6 +113,7 @@ def hybrid_stack_spec(spec: ModelSpec) -> Any:
             input_layernorm=gpt.input_layernorm,
             self_attention=gpt.self_attention,
             self_attn_bda=bda.get_bias_dropout_add,
+            sharded_state_dict_keys_map=dict(ATTENTION_NORM_KEYS),
         ),
     )
     mlp = ModuleSpec(
@@ -107,6 +122,7 @@ def hybrid_stack_spec(spec: ModelSpec) -> Any:
             pre_mlp_layernorm=gpt.pre_mlp_layernorm,
             mlp=gpt.mlp,
             mlp_bda=bda.get_bias_dropout_add,
+            sharded_state_dict_keys_map=dict(MLP_NORM_KEYS),
         ),
     )
     return ModuleSpec(
@@ -142,10 +158,11 @@ def build_hybrid_model(spec: ModelSpec, **model_kwargs: Any) -> Any:
                    **model_kwargs)
 
 
-def mamba_inference_state_config(model: Any, ssm_states_dtype: Any = None) -> Any:
+def mamba_inference_state_config(model: Any, ssm_states_dtype: Any = None, conv_states_dtype: Any = None) -> Any:
     """megatron-core's ``MambaInferenceStateConfig`` for a built hybrid model, with the SSM
-    states (and their prefix-cache snapshots) in ``ssm_states_dtype`` (a ``torch.dtype``; None:
-    megatron-core's default, the model's dtype)."""
+    states and the conv states (and their prefix-cache snapshots) in ``ssm_states_dtype`` and
+    ``conv_states_dtype`` (``torch.dtype``; None: megatron-core's default, the model's dtype)."""
     config = mcore.import_module("megatron.core.inference.config")
-    options = {} if ssm_states_dtype is None else {"ssm_states_dtype": ssm_states_dtype}
+    options = {name: dtype for name, dtype in (("ssm_states_dtype", ssm_states_dtype),
+                                               ("conv_states_dtype", conv_states_dtype)) if dtype is not None}
     return config.MambaInferenceStateConfig.from_model(model, **options)

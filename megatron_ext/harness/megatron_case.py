@@ -65,6 +65,8 @@ IGNORED = {
     "--ckpt-fully-parallel-load": "checkpoint I/O strategy",
     "--ckpt-assume-constant-structure": "checkpoint I/O strategy",
     "--tiktoken-pattern": "used with --tokenizer-type TikTokenizer only",
+    "--model-provider": "ab builds a hybrid model when the file gives --hybrid-layer-pattern, else a GPT model",
+    "--is-hybrid-model": "ab builds a hybrid model when the file gives --hybrid-layer-pattern",
 }
 
 #: Argument prefixes and arguments that change the model or engine beyond what ab reproduces.
@@ -78,8 +80,9 @@ REFUSED = {
     "--expert-model-parallel-size": "mixture-of-experts models are not supported by ab",
     "--expert-tensor-parallel-size": "mixture-of-experts models are not supported by ab",
     "--mtp-num-layers": "multi-token prediction is not supported by ab",
-    "--spec": "a custom layer spec: ab builds megatron-core's local GPT layer spec",
-    "--hybrid-layer-pattern": "hybrid (Mamba) models are not supported by ab",
+    "--hybrid-attention-ratio": "a layer pattern derived from ratios: give --hybrid-layer-pattern",
+    "--hybrid-mlp-ratio": "a layer pattern derived from ratios: give --hybrid-layer-pattern",
+    "--mtp-hybrid-override-pattern": "multi-token prediction is not supported by ab",
     "--window-size": "sliding-window attention is not supported by the CPU backend",
     "--softmax-type": "only the default softmax is supported",
     "--fp16": "ab runs bf16 or fp32",
@@ -107,7 +110,22 @@ MODEL_FIELDS = {
     "--qk-layernorm": "qk_layernorm",
     "--untie-embeddings-and-output-weights": "untie_embeddings_and_output_weights",
     "--add-qkv-bias": "add_qkv_bias",
+    "--mamba-state-dim": "mamba_state_dim",
+    "--mamba-head-dim": "mamba_head_dim",
+    "--mamba-num-groups": "mamba_num_groups",
+    "--mamba-num-heads": "mamba_num_heads",
 }
+
+#: Hybrid (Mamba + attention) models: the layer pattern's arguments (the second is Megatron-LM's
+#: older name), and the Mamba inference state dtypes (Megatron-LM's default for both: bf16).
+HYBRID_PATTERN_ARGS = ("--hybrid-layer-pattern", "--hybrid-override-pattern")
+MAMBA_STATE_DTYPE_ARGS = {"--mamba-inference-ssm-states-dtype": "mamba_ssm_states_dtype",
+                          "--mamba-inference-conv-states-dtype": "mamba_conv_states_dtype"}
+MEGATRON_MAMBA_STATE_DTYPE = "bf16"
+
+#: ``--spec`` values ab builds itself: megatron-core's hybrid stack specs (0.17: ``mamba_stack_spec``),
+#: rebuilt from local modules with the same checkpoint keys.
+HYBRID_SPEC_FUNCTIONS = ("hybrid_stack_spec", "mamba_stack_spec")
 
 _VARIABLE = re.compile(r"\$\{(\w+)\}|\$(\w+)")
 
@@ -173,7 +191,7 @@ def load_megatron_case(path: Path, device: str = "cpu", environ: Optional[dict[s
     args = data.get("MODEL_ARGS") or {}
     if not isinstance(args, dict):
         raise CaseFileError(f"{path}: MODEL_ARGS must be a mapping of '--argument: value'")
-    refused = [f"{arg} ({why})" for arg in args if (why := _refusal(arg)) is not None]
+    refused = [f"{arg} ({why})" for arg in args if (why := _refusal(arg, args)) is not None]
     if refused:
         raise CaseFileError(f"{path}: refused: {'; '.join(refused)}")
     reader = _ArgReader(path, args, environ if environ is not None else dict(os.environ))
@@ -182,10 +200,22 @@ def load_megatron_case(path: Path, device: str = "cpu", environ: Optional[dict[s
     return _build(path, reader, device)
 
 
-def _refusal(arg: str) -> Optional[str]:
+def _refusal(arg: str, args: dict[str, Any]) -> Optional[str]:
+    if arg == "--spec":
+        return _spec_refusal(args)
     if arg in REFUSED:
         return REFUSED[arg]
     return next((why for prefix, why in REFUSED_PREFIXES.items() if arg.startswith(prefix)), None)
+
+
+def _spec_refusal(args: dict[str, Any]) -> Optional[str]:
+    """``--spec MODULE FUNCTION``: accepted for a hybrid model when it names megatron-core's
+    hybrid stack spec (ab builds the same layers from local modules); refused otherwise."""
+    value = args["--spec"]
+    function = (value.split() if isinstance(value, str) else list(value or []))[-1:]
+    if function and function[0] in HYBRID_SPEC_FUNCTIONS and any(a in args for a in HYBRID_PATTERN_ARGS):
+        return None
+    return "a custom layer spec: ab builds megatron-core's local GPT layer spec, or for a hybrid model its hybrid stack spec"
 
 
 class _ArgReader:
@@ -349,6 +379,33 @@ def _model(args: _ArgReader) -> dict[str, Any]:
         model["add_bias_linear"] = False
     if gqa and "num_query_groups" not in model:
         raise CaseFileError(f"{args.path}: --group-query-attention needs --num-query-groups")
+    model.update(_hybrid_model(args))
+    return model
+
+
+def _hybrid_model(args: _ArgReader) -> dict[str, Any]:
+    """The hybrid model fields: the layer pattern (pipeline separators ``|`` dropped: ab lays
+    stages out itself), ``num_layers`` from it (as Megatron-LM), the Mamba state dtypes
+    (Megatron-LM's bf16 default where absent). Nothing for a GPT model (Mamba sizes alone are
+    refused by the model section)."""
+    given = [arg for arg in HYBRID_PATTERN_ARGS if arg in args.args]
+    if not given:
+        return {}
+    if len(given) > 1:
+        raise CaseFileError(f"{args.path}: {' and '.join(given)} both given; keep --hybrid-layer-pattern "
+                            "(Megatron-LM refuses both)")
+    pattern = args.get(given[0], str)
+    if "/" in pattern:
+        raise CaseFileError(f"{args.path}: {given[0]} {pattern!r}: multi-token prediction layers (after '/') "
+                            "are not supported by ab")
+    model: dict[str, Any] = {"hybrid_layer_pattern": pattern.replace("|", "")}
+    model["num_layers"] = len(model["hybrid_layer_pattern"])
+    args.get("--spec")  # read, not ignored: _spec_refusal accepted megatron-core's hybrid stack spec
+    for arg, name in MAMBA_STATE_DTYPE_ARGS.items():
+        dtype = args.get(arg, str, MEGATRON_MAMBA_STATE_DTYPE)
+        if dtype not in ("fp32", "bf16"):
+            raise CaseFileError(f"{args.path}: {arg} {dtype}: ab runs bf16 or fp32 Mamba states")
+        model[name] = dtype
     return model
 
 

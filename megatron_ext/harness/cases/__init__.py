@@ -64,8 +64,9 @@ class ModelSpec(_Strict):
     * ``swiglu``: gated MLP with SiLU (``linear_fc1`` is ``[2 * ffn_hidden_size, hidden_size]``);
       otherwise GELU.
     * ``position_embedding_type``: ``learned_absolute`` (a ``[max_position_embeddings,
-      hidden_size]`` table) or ``rope`` (rotary, ``rotary_base``, applied to ``rotary_percent`` of
-      each head's channels).
+      hidden_size]`` table), ``rope`` (rotary, ``rotary_base``, applied to ``rotary_percent`` of
+      each head's channels) or ``none`` (no position embedding: hybrid models, whose Mamba layers
+      carry position, e.g. Nemotron-H).
     * ``add_bias_linear``: biases in every linear layer; ``add_qkv_bias``: a bias in the QKV
       projection even when ``add_bias_linear`` is off (Qwen-style).
     * ``untie_embeddings_and_output_weights``: a separate output layer instead of reusing the
@@ -88,7 +89,9 @@ class ModelSpec(_Strict):
       ``2 * hidden_size / mamba_head_dim``; Mamba width ``mamba_num_heads * mamba_head_dim``), ``mamba_chunk_size`` (the SSM scan's chunk,
       ``MambaMixer(chunk_size=...)``; Mamba prefix-cache snapshots are taken at block boundaries
       that are multiples of it), ``mamba_ssm_states_dtype`` (dtype of the inference SSM state and
-      its prefix-cache snapshots; None: megatron-core's default, ``params_dtype``).
+      its prefix-cache snapshots) and ``mamba_conv_states_dtype`` (of the inference conv state and
+      its snapshots); None: megatron-core's default, ``params_dtype`` (Megatron-LM's
+      ``--mamba-inference-*-states-dtype`` default to bf16 instead).
     """
 
     num_layers: int = Field(2, ge=1)
@@ -101,7 +104,7 @@ class ModelSpec(_Strict):
     norm_epsilon: float = Field(1e-5, gt=0)
     qk_layernorm: bool = False
     swiglu: bool = False
-    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
     rotary_base: int = Field(10000, ge=1)
     rotary_percent: float = Field(1.0, gt=0, le=1)
     add_bias_linear: bool = True
@@ -119,6 +122,7 @@ class ModelSpec(_Strict):
     mamba_num_heads: Optional[int] = Field(None, ge=1)
     mamba_chunk_size: int = Field(128, ge=1)
     mamba_ssm_states_dtype: Optional[Literal["fp32", "bf16"]] = None
+    mamba_conv_states_dtype: Optional[Literal["fp32", "bf16"]] = None
 
     @model_validator(mode="before")
     @classmethod
