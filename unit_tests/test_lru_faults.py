@@ -248,3 +248,20 @@ def test_leaf_first_eviction_refuses_a_cyclic_forest_and_evicts_nothing():
         evict_leaves_first(allocator, 1)
     assert allocator.kv_hash_to_block_id == {11: blocks[0], 22: blocks[1]}
     assert free_ids(allocator) == [0]
+
+
+def test_registration_is_narrowed_to_blocks_not_holding_their_hash():
+    """``unregistered``: the hash map answers for blocks it points at and hashes it does not know;
+    a block whose hash the map gives to another block (one hash on two blocks) is read from
+    ``block_hashes``. Block 1 holds 11 (map -> 1), block 2 holds 22 though the map gives 22 to
+    block 3, block 0 holds nothing."""
+    from types import SimpleNamespace
+
+    from megatron_ext.patches.lru_register_once import unregistered
+
+    allocator = SimpleNamespace(block_hashes=torch.tensor([-1, 11, 22, 22, -1]),
+                                kv_hash_to_block_id={11: 1, 22: 3})
+    ids, hashes_, parents = unregistered(allocator, [0, 1, 2, 4], [33, 11, 22, 22], [0, 33, 11, 11])
+    assert (ids, hashes_, parents) == ([0, 4], [33, 22], [0, 11])
+    assert unregistered(allocator, [1, 2], [11, 22], None) == ([], [], None)
+    assert unregistered(allocator, [0, 4], [44, 55], None) == ([0, 4], [44, 55], None)

@@ -50,17 +50,22 @@ def unregistered(
             None. Returned unchanged when no block holds its hash, narrowed alike otherwise (all
             three empty when every block holds its hash).
 
-    A block can hold its hash only if the hash is in the hash map (registration puts it there; a
-    block's own deregistration takes both away), so a registration of hashes the map does not
-    know, every first registration, skips the gather of ``block_hashes``. The map can miss a hash
-    a block still holds only after one hash was put on two blocks and the one the map points at
-    was deregistered: ``add_request`` never registers a hash the map has (it matches first), so
-    the engine cannot get there.
+    The hash map answers for most blocks without reading ``block_hashes`` (a gather costs more
+    than the whole check on the admission path): registration puts a block's hash on the block
+    and in the map, a block's own deregistration takes both away, so a block the map points at
+    holds that hash, and a hash the map does not know is held by no block. The map can miss a
+    hash a block still holds only after one hash was put on two blocks and the one the map points
+    at was deregistered: ``add_request`` never registers a hash the map has (it matches first),
+    so the engine cannot get there. Only a block whose hash the map gives to another block (one
+    hash on two blocks) is looked up in ``block_hashes``.
     """
-    if not any(map(allocator.kv_hash_to_block_id.__contains__, block_hashes)):
-        return block_ids, block_hashes, parent_hashes
-    held = allocator.block_hashes[torch.tensor(block_ids, dtype=torch.int64)].tolist()
-    keep = [i for i, (h, old) in enumerate(zip(block_hashes, held)) if h != old]
+    owners = list(map(allocator.kv_hash_to_block_id.get, block_hashes))
+    keep = [i for i, (block, owner) in enumerate(zip(block_ids, owners)) if owner != block]
+    shared = [i for i in keep if owners[i] is not None]
+    if shared:  # one hash on two blocks: does this block hold it too?
+        held = allocator.block_hashes[torch.tensor([block_ids[i] for i in shared], dtype=torch.int64)].tolist()
+        holding = {i for i, old in zip(shared, held) if old == block_hashes[i]}
+        keep = [i for i in keep if i not in holding]
     if len(keep) == len(block_ids):
         return block_ids, block_hashes, parent_hashes
     return ([block_ids[i] for i in keep], [block_hashes[i] for i in keep],
