@@ -55,11 +55,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     version = mcore.installed_version()
     results = status(force=args.force or None)
+    from .harness.hybrid import MAMBA_STATE_DTYPE_RULE  # after status(): it names a missing megatron-core
     if args.json:
-        payload = {"megatron_core_version": version, "patches": [r.as_dict() for r in results]}
+        payload = {"megatron_core_version": version, "patches": [r.as_dict() for r in results],
+                   "rules": [MAMBA_STATE_DTYPE_RULE]}
         print(json.dumps(payload, indent=2))
     else:
-        report_console(args.width).print(_status_table(version, results))
+        console = report_console(args.width)
+        console.print(_status_table(version, results))
+        console.print(f"rule: {MAMBA_STATE_DTYPE_RULE}", markup=False, highlight=False, soft_wrap=True)
     return 1 if any(r.state.value == "refused" for r in results) else 0
 
 
@@ -113,6 +117,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
     if args.top_n_logprobs is not None:
         case = case.model_copy(update={"sampling": case.sampling.model_copy(
             update={"top_n_logprobs": args.top_n_logprobs})})
+    _hybrid_cpu_environment(case, args.device, getattr(args, "program", False))
     checkpoint = None
     if args.load is not None:  # a bad path fails here, before the model or any engine is built
         from .harness.checkpoint import resolve_checkpoint
@@ -161,6 +166,52 @@ def cmd_ab(args: argparse.Namespace) -> int:
         if args.plot:
             write_plot(result, Path(args.plot))
     return result.exit_code()
+
+
+#: Set in the environment of the process ``_hybrid_cpu_environment`` re-executes (against a loop).
+TRITON_REEXEC_ENV = "MEGATRON_EXT_TRITON_REEXEC"
+
+#: Modules that read ``TRITON_INTERPRET`` / ``MAMBA_DETERMINISTIC`` when they are imported.
+_TRITON_ENV_READERS = ("triton", "mamba_ssm", "megatron.core.ssm")
+
+
+def _hybrid_cpu_environment(case: Any, device: str, program: bool) -> None:
+    """A hybrid case on the CPU backend needs ``TRITON_INTERPRET=1 MAMBA_DETERMINISTIC=1``
+    (:data:`megatron_ext.cpu_backend.mamba.TRITON_CPU_ENV`) before Triton and the Mamba kernel
+    modules are imported; the command sets them itself. Nothing of the kind is imported yet (the
+    usual case: the command has only read its case): set here, for this process. Otherwise, when
+    this process is the ``megatron-ext`` program (``program``), it re-executes itself once with them
+    (``os.execv``; the marker ``MEGATRON_EXT_TRITON_REEXEC`` stops a loop). A command called
+    in-process (``main(argv)``) never changes the environment: its caller must set them.
+
+    Raises:
+        MegatronExtError: they are missing, Triton is already imported and this process cannot
+            re-execute itself (called in-process, or already re-executed once).
+    """
+    if not case.model.is_hybrid or device != "cpu":
+        return
+    from .cpu_backend.mamba import TRITON_CPU_ENV
+
+    missing = {k: v for k, v in TRITON_CPU_ENV.items() if os.environ.get(k) != v}
+    if not missing or not program:
+        return  # in-process: mamba_on_cpu refuses with the variables named
+    if not _triton_env_read():
+        os.environ.update(missing)
+        return
+    if os.environ.get(TRITON_REEXEC_ENV) != "1":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.environ.update({**missing, TRITON_REEXEC_ENV: "1"})
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    raise MegatronExtError("hybrid case on the CPU: Triton was imported before megatron-ext could set "
+                           + " ".join(f"{k}={v}" for k, v in missing.items())
+                           + "; set them in the environment before Python starts")
+
+
+def _triton_env_read() -> bool:
+    """Whether a module that reads the Triton / Mamba variables at import is imported already."""
+    return any(name == reader or name.startswith(reader + ".")
+               for name in list(sys.modules) for reader in _TRITON_ENV_READERS)
 
 
 def _tokenizer(args: argparse.Namespace):
@@ -290,6 +341,7 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
     if not _layout_fits(tp, pp, "save-checkpoint"):
         return 2
     case = load_case(args.case)
+    _hybrid_cpu_environment(case, "cpu", getattr(args, "program", False))
     if args.seed is not None:
         case = case.model_copy(update={"model": case.model.model_copy(update={"seed": args.seed})})
     training_args = megatron_lm_args(case.model, padded_vocab_size(case.model.vocab_size, tp), tp, pp)
@@ -335,6 +387,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
         case = case.model_copy(update={"model": case.model.model_copy(update={"vocab_size": tokenizer.vocab_size})})
     if args.dump_case:
         Path(args.dump_case).write_text(dump_case(case))
+    _hybrid_cpu_environment(case, "cpu", getattr(args, "program", False))
     log = _library_log(args, "soak")
     try:
         with library_output(log) as output, _progress(args, case.name, output) as progress:
@@ -617,6 +670,7 @@ def _quiet_imports() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Errors of megatron-ext print one line on stderr and exit 2."""
     args = build_parser().parse_args(argv)
+    args.program = argv is None  # this process is the megatron-ext program (it may re-execute itself)
     _quiet_imports()
     try:
         with CtrlC.installed():

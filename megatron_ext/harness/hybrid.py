@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from .. import mcore
 from ..cpu_backend._swap import AttributeSwap
@@ -166,3 +166,35 @@ def mamba_inference_state_config(model: Any, ssm_states_dtype: Any = None, conv_
     options = {name: dtype for name, dtype in (("ssm_states_dtype", ssm_states_dtype),
                                                ("conv_states_dtype", conv_states_dtype)) if dtype is not None}
     return config.MambaInferenceStateConfig.from_model(model, **options)
+
+
+#: Fault H2, the dtype rule of hybrid models with prefix caching (``status`` prints it; every
+#: release 0.17-0.19 and upstream main store Mamba states in the model's dtype by default).
+MAMBA_STATE_DTYPE_RULE = (
+    "hybrid (Mamba) models with prefix caching need fp32 Mamba states: with a bf16 model's default "
+    "(states in its own dtype) requests that restore a cached Mamba state differ from caching off "
+    "(fault H2, every release, not patched); set MambaInferenceStateConfig ssm_states_dtype=torch.float32 "
+    "(case: mamba_ssm_states_dtype: fp32)")
+
+
+def bf16_mamba_states(spec: ModelSpec) -> bool:
+    """Whether ``spec`` is a hybrid model whose Mamba SSM states (live, and the prefix cache's
+    snapshots) are kept in bf16: ``mamba_ssm_states_dtype`` bf16, or unset on a bf16 model
+    (megatron-core's ``MambaInferenceStateConfig.from_model`` then takes ``params_dtype``)."""
+    if not spec.is_hybrid:
+        return False
+    return (spec.mamba_ssm_states_dtype or spec.params_dtype) != "fp32"
+
+
+def mamba_state_dtype_warning(spec: ModelSpec) -> Optional[str]:
+    """One line for ``ab``'s report when ``spec`` breaks the dtype rule (:func:`bf16_mamba_states`),
+    else None. Why: megatron-core's chunked scan carries the SSM state from chunk to chunk in fp32
+    registers and only stores it in the state dtype; a prefix-cache snapshot is that stored bf16
+    value, so the tokens after a restored state start from a rounded state, while caching off goes on
+    from the unrounded one. With fp32 states the snapshot is the carried value itself."""
+    if not bf16_mamba_states(spec):
+        return None
+    how = "bf16" if spec.mamba_ssm_states_dtype == "bf16" else "unset: the model's dtype, bf16"
+    return (f"Mamba states in bf16 (mamba_ssm_states_dtype {how}) with prefix caching: requests that "
+            "restore a cached Mamba state may differ from caching off (fault H2, not patched); set "
+            "mamba_ssm_states_dtype: fp32")

@@ -158,6 +158,8 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
     if result.tokenizer is not None and result.tokenizer.path is not None:  # the user's --tokenizer
         console.print(result.tokenizer.describe(), markup=False)
     console.print(f"batch-invariance self-check: {'ok' if ok else '[bold red]FAILED[/]'} ({detail})")
+    for warning in result.warnings():
+        console.print(f"[yellow]warning[/]: {warning}", soft_wrap=True, highlight=False)
     for policy in result.policies:
         if not (only_divergent and policy.bit_identical):
             console.print(request_table(result, policy, only_divergent))
