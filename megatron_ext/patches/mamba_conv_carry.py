@@ -42,11 +42,7 @@ FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V0
                 "0.19.0": _V019, "0.19.2": _V019}
 
 #: ``_ssm_prefill`` after the source patches of ``patches/`` (record_fingerprints.py --source-patched).
-SOURCE_PATCHED__V017 = {"MambaMixer._ssm_prefill": "17ba58f561dca8a7"}
-_V018 = {"MambaMixer._ssm_prefill": "52d427997706f02e"}
-_V019 = {"MambaMixer._ssm_prefill": "59f97414e9e14c56"}
-FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018,
-                "0.19.0": _V019, "0.19.2": _V019}
+SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {}
 
 #: ``_ssm_prefill``'s leading parameters after ``self`` (the same in 0.17.0 to 0.19.2).
 _PARAMETERS = ("zxBCdt", "conv_state", "ssm_state", "seq_idx", "cu_seqlens", "batch_indices")
