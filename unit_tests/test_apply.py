@@ -37,10 +37,12 @@ _FAULTS_017_018 = {
 EXPECTED_STATUS = {
     "0.17": {**_FAULTS_017_018, "mamba-chunk-size": "applicable", "mamba-snapshot-offsets": "applicable",
              "mamba-slot-exhaustion": "applicable",
-             "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "not needed"},
+             "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "not needed",
+             "mamba-conv-carry": "applicable"},
     "0.18": {**_FAULTS_017_018, "mamba-chunk-size": "not needed", "mamba-snapshot-offsets": "applicable",
              "mamba-slot-exhaustion": "applicable",
-             "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "applicable"},
+             "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "applicable",
+             "mamba-conv-carry": "applicable"},
     "0.19": {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
@@ -53,6 +55,7 @@ EXPECTED_STATUS = {
         "mamba-slot-exhaustion": "applicable",
         "mamba-match-in-chunk": "not needed",
         "mamba-clamp-restore": "applicable",
+        "mamba-conv-carry": "applicable",
     },
 }
 TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH)

@@ -42,7 +42,11 @@ FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V0
                 "0.19.0": _V019, "0.19.2": _V019}
 
 #: ``_ssm_prefill`` after the source patches of ``patches/`` (record_fingerprints.py --source-patched).
-SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {}
+_SOURCE_V017 = {"MambaMixer._ssm_prefill": "f0da6473478554ac"}
+_SOURCE_V018 = {"MambaMixer._ssm_prefill": "77856f20f67b9a0e"}
+_SOURCE_V019 = {"MambaMixer._ssm_prefill": "3304dc9ee4dacc9d"}
+SOURCE_PATCHED_FINGERPRINTS = {"0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "0.18.0": _SOURCE_V018,
+                               "0.18.2": _SOURCE_V018, "0.19.0": _SOURCE_V019, "0.19.2": _SOURCE_V019}
 
 #: ``_ssm_prefill``'s leading parameters after ``self`` (the same in 0.17.0 to 0.19.2).
 _PARAMETERS = ("zxBCdt", "conv_state", "ssm_state", "seq_idx", "cu_seqlens", "batch_indices")
@@ -106,6 +110,8 @@ def writes_slice_only_conv_state(ssm_prefill: Callable) -> tuple[bool, str]:
     source = inspect.getsource(ssm_prefill)
     if "causal_conv1d_varlen_carry_states" in source:
         return False, "_ssm_prefill carries the incoming conv state (causal_conv1d_varlen_carry_states, #6711)"
+    if "_carry_conv_states(" in source:
+        return False, "_ssm_prefill carries the incoming conv state (_carry_conv_states of patches/)"
     if "causal_conv1d_varlen_states(" not in source:
         return False, "_ssm_prefill does not compute conv states with causal_conv1d_varlen_states"
     return True, ("_ssm_prefill writes causal_conv1d_varlen_states(xBC, cu_seqlens, d_conv): a slice "
