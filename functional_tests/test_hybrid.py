@@ -153,3 +153,21 @@ def test_restored_mid_prompt_snapshot_is_bit_identical():
     assert counts["skipped"] == 32, counts  # restored at the snapshot of token 32
     if result["restores"]["observable"]:
         assert result["restores"] == {"ok": 1, "failed": 0, "observable": True}, result["restores"]
+
+
+@pytest.mark.slow
+def test_continuation_chunk_skip_is_bit_identical():
+    """Fault H8: with chunked prefill, r1's second chunk starts inside r0's cached blocks; it must
+    not skip them (no Mamba state is restored after the first chunk). With
+    ``MEGATRON_EXT_TEST_UNPATCHED=1`` (or ``MEGATRON_EXT_SKIP=mamba-continuation-skip``) r1
+    differs from caching off on every release. About 70 s on one core (0.19.2)."""
+    result = run_case("hybrid_chunked_skip", patched=not UNPATCHED)
+    assert result["invariant"]
+    assert result["errors"] == [None, None]
+    counts = result["policies"]["lru"]
+    assert result["bit_identical"] and result["failures"] == [], (result["restores"], counts, result["failures"])
+    baseline, with_caching = result["tokens"]
+    assert with_caching == baseline and [len(tokens) for tokens in baseline] == [2, 2, 4]
+    assert counts["blocks_matched"] >= 5, counts  # r1 matches r0's first blocks over two chunks
+    if result["restores"]["observable"]:
+        assert result["restores"]["failed"] == 0, result["restores"]
