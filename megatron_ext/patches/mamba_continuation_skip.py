@@ -42,7 +42,11 @@ FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V0
                 "0.19.0": _V019, "0.19.2": _V019}
 
 #: ``_compute_prefix_match`` after the source patches of ``patches/`` (--source-patched).
-SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {}
+#: 0.18's, with #4758 mirrored first, is 0.19's (as for ``mamba-clamp-restore``).
+_SOURCE = {"DynamicInferenceContext._compute_prefix_match": "9928e8c0818866c1"}
+_SOURCE_V017 = {"DynamicInferenceContext._compute_prefix_match": "41a4d881bfe515e4"}
+SOURCE_PATCHED_FINGERPRINTS = {"0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "0.18.0": _SOURCE,
+                               "0.18.2": _SOURCE, "0.19.0": _SOURCE, "0.19.2": _SOURCE}
 
 
 def _compute_prefix_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
