@@ -11,7 +11,8 @@ Two cases: ``hybrid_tiny`` (Mamba chunk 16, a restore at the block-aligned end o
 and ``hybrid_chunk256`` (fault H4: Mamba chunk 256; unpatched 0.17 / 0.18 snapshot r0's state at
 token 128, off the chunk grid, and r1 restores it: 128 tokens skipped, r1's log-probs differ; with
 the fix no snapshot there, nothing skipped, bit-identical). About 50 s of CPU time each (0.18.2).
-And fault H1's trigger, ``hybrid_clamp`` (the >= 2-token clamp and the Mamba restore, below).
+And fault H1's trigger, ``hybrid_clamp`` (the >= 2-token clamp and the Mamba restore, below), and
+fault H7's, ``hybrid_mid_restore`` (a mid-prompt snapshot restored 2 tokens before the prompt's end).
 """
 
 from __future__ import annotations
@@ -112,21 +113,13 @@ def run_case(case: str, patched: bool = True) -> dict:
 #: 1-token chunk after the snapshot at 32; 0.18/0.19: no snapshot at or before the clamped 16).
 CLAMP_SKIPPED = {"0.17": 32, "0.18": 0, "0.19": 0}
 
-#: On 0.17 r1 restores r0's mid-prompt snapshot at token 32 (taken since H4's fix) and differs from
-#: caching off: a restore of an intermediate snapshot is not exact on any release (0.18.2 and
-#: 0.19.2 differ the same way when r1 has 34 tokens and restores it; the block-aligned prompt end of
-#: hybrid_tiny is exact). Not H1 (0.17 has no clamp); open. Strict: a fix shows as XPASS.
-_INTERMEDIATE_RESTORE_INEXACT = pytest.mark.xfail(
-    mcore.release_series(mcore.installed_version()) == "0.17" and not UNPATCHED, strict=True,
-    reason="0.17 restores r0's intermediate Mamba snapshot at 32; intermediate restores are not exact (open)")
-
-
 @pytest.mark.slow
-@_INTERMEDIATE_RESTORE_INEXACT
 def test_clamped_skip_keeps_the_mamba_restore_consistent():
     """Fault H1: r1 (r0's first 33 tokens) must not skip tokens whose Mamba state is not restored.
     With ``MEGATRON_EXT_TEST_UNPATCHED=1`` on 0.18.x and 0.19.x the restore fails while 16 tokens
-    stay skipped and r1 differs from caching off. About 60 s on one core (0.19.2)."""
+    stay skipped and r1 differs from caching off. On 0.17 (no clamp) r1 restores r0's snapshot at
+    token 32 and computes 1 token: exact only with fault H7 fixed (``mamba-conv-carry``).
+    About 60 s on one core (0.19.2)."""
     result = run_case("hybrid_clamp", patched=not UNPATCHED)
     assert result["invariant"]
     assert result["errors"] == [None, None]
@@ -140,3 +133,41 @@ def test_clamped_skip_keeps_the_mamba_restore_consistent():
         # a failed restore means tokens were skipped whose Mamba state is not there
         assert result["restores"]["failed"] == 0, result["restores"]
     assert counts["skipped"] == CLAMP_SKIPPED[mcore.release_series(mcore.installed_version())], counts
+
+
+@pytest.mark.slow
+def test_restored_mid_prompt_snapshot_is_bit_identical():
+    """Fault H7: r1 (r0's first 34 tokens) restores r0's Mamba snapshot at token 32, mid-prompt,
+    and computes 2 tokens; its conv state must keep tokens 31-32. With
+    ``MEGATRON_EXT_TEST_UNPATCHED=1``: 0.19.x restores and r1 differs from caching off; 0.17.x /
+    0.18.x take no snapshot at 32 (fault H4), skip nothing and fail the skip count. About 60 s
+    on one core (0.19.2)."""
+    result = run_case("hybrid_mid_restore", patched=not UNPATCHED)
+    assert result["invariant"]
+    assert result["errors"] == [None, None]
+    counts = result["policies"]["ref_zero"]
+    assert result["bit_identical"] and result["failures"] == [], (result["restores"], counts, result["failures"])
+    baseline, with_caching = result["tokens"]
+    assert with_caching == baseline and all(len(tokens) == 4 for tokens in baseline)
+    assert counts["blocks_matched"] == 2, counts  # r0's first two blocks
+    assert counts["skipped"] == 32, counts  # restored at the snapshot of token 32
+    if result["restores"]["observable"]:
+        assert result["restores"] == {"ok": 1, "failed": 0, "observable": True}, result["restores"]
+
+
+@pytest.mark.slow
+def test_continuation_chunk_skip_is_bit_identical():
+    """Fault H8: with chunked prefill, r1's second chunk starts inside r0's cached blocks; it must
+    not skip them (no Mamba state is restored after the first chunk). With
+    ``MEGATRON_EXT_TEST_UNPATCHED=1`` (or ``MEGATRON_EXT_SKIP=mamba-continuation-skip``) r1
+    differs from caching off on every release. About 70 s on one core (0.19.2)."""
+    result = run_case("hybrid_chunked_skip", patched=not UNPATCHED)
+    assert result["invariant"]
+    assert result["errors"] == [None, None]
+    counts = result["policies"]["lru"]
+    assert result["bit_identical"] and result["failures"] == [], (result["restores"], counts, result["failures"])
+    baseline, with_caching = result["tokens"]
+    assert with_caching == baseline and [len(tokens) for tokens in baseline] == [2, 1, 4]
+    assert counts["blocks_matched"] >= 5, counts  # r1 matches r0's first blocks over two chunks
+    if result["restores"]["observable"]:
+        assert result["restores"]["failed"] == 0, result["restores"]

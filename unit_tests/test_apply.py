@@ -37,10 +37,14 @@ _FAULTS_017_018 = {
 EXPECTED_STATUS = {
     "0.17": {**_FAULTS_017_018, "mamba-chunk-size": "applicable", "mamba-snapshot-offsets": "applicable",
              "mamba-slot-exhaustion": "applicable",
-             "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "not needed"},
+             "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "not needed",
+             "mamba-conv-carry": "applicable",
+             "mamba-continuation-skip": "applicable"},
     "0.18": {**_FAULTS_017_018, "mamba-chunk-size": "not needed", "mamba-snapshot-offsets": "applicable",
              "mamba-slot-exhaustion": "applicable",
-             "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "applicable"},
+             "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "applicable",
+             "mamba-conv-carry": "applicable",
+             "mamba-continuation-skip": "applicable"},
     "0.19": {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
@@ -53,6 +57,8 @@ EXPECTED_STATUS = {
         "mamba-slot-exhaustion": "applicable",
         "mamba-match-in-chunk": "not needed",
         "mamba-clamp-restore": "applicable",
+        "mamba-conv-carry": "applicable",
+        "mamba-continuation-skip": "applicable",
     },
 }
 TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH)
@@ -68,9 +74,9 @@ DEREGISTER_STACK = {"0.17": ["deregister-own-hash", "lru-leaf-first-eviction"],
                     "0.18": ["deregister-own-hash", "lru-leaf-first-eviction"],
                     "0.19": ["deregister-own-hash"]}
 #: The wrappers on _compute_prefix_match (issue 22: H5, H1), outermost first.
-PREFIX_MATCH_STACK = {"0.17": ["mamba-match-in-chunk"],
-                      "0.18": ["mamba-clamp-restore", "mamba-match-in-chunk"],
-                      "0.19": ["mamba-clamp-restore"]}
+PREFIX_MATCH_STACK = {"0.17": ["mamba-continuation-skip", "mamba-match-in-chunk"],
+                      "0.18": ["mamba-continuation-skip", "mamba-clamp-restore", "mamba-match-in-chunk"],
+                      "0.19": ["mamba-continuation-skip", "mamba-clamp-restore"]}
 
 
 @pytest.fixture(autouse=True)
@@ -235,10 +241,11 @@ def test_changed_target_is_refused_naming_function_and_versions(changed_prefix_m
 
 
 #: The patches that rely on _compute_prefix_match (refused once it is changed), per release series.
-RELY_ON_PREFIX_MATCH = {"0.17": ["lru-pin-before-allocate", "mamba-match-in-chunk", "matched-block-writes"],
-                        "0.18": ["lru-pin-before-allocate", "mamba-clamp-restore", "mamba-match-in-chunk",
+RELY_ON_PREFIX_MATCH = {"0.17": ["lru-pin-before-allocate", "mamba-continuation-skip", "mamba-match-in-chunk",
                                  "matched-block-writes"],
-                        "0.19": ["mamba-clamp-restore", "matched-block-writes"]}
+                        "0.18": ["lru-pin-before-allocate", "mamba-clamp-restore", "mamba-continuation-skip",
+                                 "mamba-match-in-chunk", "matched-block-writes"],
+                        "0.19": ["mamba-clamp-restore", "mamba-continuation-skip", "matched-block-writes"]}
 #: The wrappers on _deregister_blocks, outermost first.
 DEREGISTER_STACK = {"0.17": ["deregister-own-hash", "lru-leaf-first-eviction"],
                     "0.18": ["deregister-own-hash", "lru-leaf-first-eviction"],

@@ -7,7 +7,8 @@ imported already). That module imports the KV block allocator module itself, so 
 by then. wrapt, torch and the patches load inside the hook, with megatron-core. The
 engine module usually imports the context half-way through its own import: the patch on the
 engine (``top-n-prefill-chunks``) then waits, and a second hook applies it when the engine module
-is imported; each patch's line is printed again only when its state changed.
+is imported (likewise ``mamba-conv-carry`` and the Mamba mixer module); each patch's line is
+printed again only when its state changed.
 """
 
 # No `from __future__ import annotations`: it imports the __future__ module, and this module runs
@@ -19,6 +20,8 @@ from .import_hooks import when_imported
 AUTO_ENV = "MEGATRON_EXT_AUTO"
 HOOKED_MODULE = "megatron.core.inference.contexts.dynamic_context"
 ENGINE_MODULE = "megatron.core.inference.engines.dynamic_engine"
+#: hybrid models: the Mamba mixer (``mamba-conv-carry`` waits for it, like the engine patch)
+MAMBA_MIXER_MODULE = "megatron.core.ssm.mamba_mixer"
 #: patch name -> state last printed, so the engine module's hook prints only what it changed
 _ANNOUNCED: dict[str, str] = {}
 
@@ -44,6 +47,7 @@ def install() -> None:
     """Register the post-import hooks; for a module imported already the patches apply at once."""
     when_imported(HOOKED_MODULE, _apply_on_import)
     when_imported(ENGINE_MODULE, _apply_on_import)
+    when_imported(MAMBA_MIXER_MODULE, _apply_on_import)
 
 
 if enabled():

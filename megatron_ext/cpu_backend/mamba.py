@@ -242,6 +242,27 @@ def _check_mamba_packages() -> None:
             "run scripts/bootstrap.sh, which installs them from source without CUDA") from error
 
 
+def import_mamba_mixer() -> types.ModuleType:
+    """Import ``megatron.core.ssm.mamba_mixer`` with the compiled-extension stand-ins in place, so
+    that its optional ``mamba_ssm`` / ``causal_conv1d`` imports bind where those packages are
+    installed without their CUDA builds (a later :func:`mamba_on_cpu` can then still run it).
+    The stand-ins are removed from ``sys.modules`` again; nothing else is replaced. For a runtime
+    patch that wraps the mixer before any hybrid model is built.
+
+    Raises:
+        megatron_ext.errors.MegatronCoreNotFoundError: megatron-core is not importable.
+    """
+    from .. import mcore
+
+    added: list[str] = []
+    try:
+        _install_extension_standins(added)
+        return mcore.import_module(MAMBA_MIXER_MODULE)
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+
+
 @contextlib.contextmanager
 def mamba_on_cpu() -> Iterator[None]:
     """Within the block megatron-core's ``MambaMixer`` runs dynamic inference on CPU tensors.

@@ -8,6 +8,8 @@ from .lru_register_once import RegisterOncePatch
 from .lru_resume_evictable import ResumeEvictablePatch
 from .mamba_chunk_size import MambaChunkSizePatch
 from .mamba_clamp_restore import MambaClampRestorePatch
+from .mamba_continuation_skip import MambaContinuationSkipPatch
+from .mamba_conv_carry import MambaConvCarryPatch
 from .mamba_match_in_chunk import MambaMatchInChunkPatch
 from .mamba_slot_exhaustion import MambaSlotExhaustionPatch
 from .mamba_snapshot_offsets import MambaSnapshotOffsetsPatch
@@ -32,4 +34,6 @@ ALL_PATCHES: tuple[Patch, ...] = (
     MambaSlotExhaustionPatch(),
     MambaMatchInChunkPatch(),
     MambaClampRestorePatch(),
+    MambaConvCarryPatch(),
+    MambaContinuationSkipPatch(),
 )

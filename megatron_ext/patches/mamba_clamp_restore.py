@@ -59,10 +59,11 @@ _V019 = {
 FINGERPRINTS = {"0.18.0": _V018, "0.18.2": _V018, "0.19.0": _V019, "0.19.2": _V019}
 
 #: ``_compute_prefix_match`` after the source patches of ``patches/``
-#: (scripts/record_fingerprints.py --source-patched): 0.18's, with #4758 mirrored first, is 0.19's.
-#: 0.17's series has no H1 patch (no clamp to fix); its entry is the code after its series (H5).
-_SOURCE = {"DynamicInferenceContext._compute_prefix_match": "38238b0cd4109019"}
-_SOURCE_V017 = {"DynamicInferenceContext._compute_prefix_match": "d44166152b7cdd0f"}
+#: (scripts/record_fingerprints.py --source-patched; the H8 patch follows it): 0.18's, with #4758
+#: mirrored first, is 0.19's.
+#: 0.17's series has no H1 patch (no clamp to fix); its entry is the code after its series (H5, H8).
+_SOURCE = {"DynamicInferenceContext._compute_prefix_match": "9928e8c0818866c1"}
+_SOURCE_V017 = {"DynamicInferenceContext._compute_prefix_match": "41a4d881bfe515e4"}
 SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
     "0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017,
     "0.18.0": _SOURCE, "0.18.2": _SOURCE, "0.19.0": _SOURCE, "0.19.2": _SOURCE}

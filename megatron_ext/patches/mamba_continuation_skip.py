@@ -1,0 +1,80 @@
+"""Fault H8 (issue 22): a hybrid request's later prefill chunk skips KV-matched tokens its Mamba
+layers never see.
+
+``DynamicInferenceContext._compute_prefix_match`` (0.17.0 to 0.19.2, and Megatron-LM main as of
+2026-08-22) sets a chunk's skip from its KV match (``min(matched blocks * block, chunk - 1)`` when
+the chunk starts on a block boundary) and, for a hybrid model, replaces it by the Mamba match only
+on the first chunk (``finished == 0``): "continuation chunks already had Mamba state restored
+during the first chunk". But a continuation chunk can match KV blocks too (another request's
+cached blocks beyond where the first chunk ended), and ``add_request`` restores Mamba state only on
+the first chunk. The skip is kept: attention reads the matched KV, while the Mamba layers continue
+from the state at the end of the previous chunk straight to the first computed token, as if the
+skipped tokens were not in the prompt. The request's output differs from caching off (no error).
+Reached with chunked prefill when a request's first chunk ends before its KV match does (its token
+budget is shared with other requests of the step).
+
+No upstream fix to mirror. The fix: a hybrid request's continuation chunk skips nothing (there is no
+Mamba state to restore there); the chunk's effective length grows by the dropped skip. The engine
+sizes continuation chunks without a skip (its token budget already covers the whole chunk), and
+the recomputed tokens' KV writes inside matched blocks go to the dummy block (fix 2,
+``matched-block-writes``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..mcore import DYNAMIC_CONTEXT_MODULE
+from ..patching import Patch, Target
+
+COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
+# Relied on: add_request restores Mamba state only when finished_chunk_token_count == 0.
+ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
+
+# Recorded from the released wheels with scripts/record_fingerprints.py.
+_V017 = {"DynamicInferenceContext._compute_prefix_match": "5d401f2688102ce6",
+         "DynamicInferenceContext.add_request": "8ac0ab32824d8700"}
+_V018 = {"DynamicInferenceContext._compute_prefix_match": "e81b818b7e132741",
+         "DynamicInferenceContext.add_request": "0babd74ab35ee1e0"}
+_V019 = {"DynamicInferenceContext._compute_prefix_match": "d840974b34a6f732",
+         "DynamicInferenceContext.add_request": "534c2a2ae3b4f713"}
+FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018,
+                "0.19.0": _V019, "0.19.2": _V019}
+
+#: ``_compute_prefix_match`` after the source patches of ``patches/`` (--source-patched).
+#: 0.18's, with #4758 mirrored first, is 0.19's (as for ``mamba-clamp-restore``).
+_SOURCE = {"DynamicInferenceContext._compute_prefix_match": "9928e8c0818866c1"}
+_SOURCE_V017 = {"DynamicInferenceContext._compute_prefix_match": "41a4d881bfe515e4"}
+SOURCE_PATCHED_FINGERPRINTS = {"0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "0.18.0": _SOURCE,
+                               "0.18.2": _SOURCE, "0.19.0": _SOURCE, "0.19.2": _SOURCE}
+
+
+def _compute_prefix_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
+    """``_compute_prefix_match(req, prefill_chunk_length, ...)``; returns the released 6-tuple, with
+    ``prefix_skip_tokens`` 0 and ``effective_prefill_chunk_length`` the whole chunk for a hybrid
+    request's continuation chunk (``req.finished_chunk_token_count > 0``)."""
+    result = wrapped(*args, **kwargs)
+    matched, from_pool, allocated, required, skip, effective = result
+    if skip == 0 or not context.is_hybrid_model:
+        return result
+    req = kwargs["req"] if "req" in kwargs else args[0]
+    if req.finished_chunk_token_count == 0:  # the first chunk's skip comes with a Mamba restore
+        return result
+    return matched, from_pool, allocated, required, 0, effective + skip
+
+
+class MambaContinuationSkipPatch(Patch):
+    """A hybrid request's later prefill chunks skip nothing (see module docstring)."""
+
+    name = "mamba-continuation-skip"
+    fingerprints = FINGERPRINTS
+    source_patched_targets = (COMPUTE_PREFIX_MATCH,)
+    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
+    fault_evidence = ("_compute_prefix_match keeps the KV skip of a hybrid request's continuation chunk, "
+                      "and add_request restores Mamba state on the first chunk only")
+
+    def wrappers(self) -> dict[Target, Callable]:
+        return {COMPUTE_PREFIX_MATCH: _compute_prefix_match_wrapper}
+
+    def checked_functions(self) -> tuple[Target, ...]:
+        return (COMPUTE_PREFIX_MATCH, ADD_REQUEST)

@@ -1,0 +1,87 @@
+"""Mamba conv / SSM states after a short prefill slice, against a reference that computed the
+whole prompt at once: run as ``python -m unit_tests.hybrid_state_probe [patched|unpatched]``
+under ``TRITON_INTERPRET=1 MAMBA_DETERMINISTIC=1`` (megatron's Mamba kernels under Triton's
+interpreter, which reads them at import); prints one line ``PROBE {json}``.
+
+Model: ``functional_tests/cases/hybrid_mid_restore.yaml`` (``M*M``, d_conv 4, Mamba chunk 16,
+block 16, fp32 states). Each probe is one request's live state right after the engine step that
+ends its prompt, compared bit for bit (per state tensor: equal, and the conv columns that differ
+in any layer) with the same prompt prefilled in one step with caching off:
+
+* ``restore``: caching on; r0 (48 tokens) prefills and snapshots its Mamba state at token 32;
+  r1 (r0's first 34 tokens) restores that snapshot, skips 32 tokens and computes 2.
+* ``chunked``: caching off, chunked prefill with ``max_tokens`` 64: a 66-token prompt is
+  prefilled in a 64-token and a 2-token chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+CASE = Path(__file__).resolve().parents[1] / "functional_tests" / "cases" / "hybrid_mid_restore.yaml"
+
+
+def live_states(context: Any, request_id: int) -> tuple[Any, Any]:
+    """Copies of the request's live conv ``(layers, conv_dim, d_conv)`` and SSM
+    ``(layers, heads, head_dim, d_state)`` states."""
+    rows = context.request_ids[:context.total_request_count].tolist()
+    index = int(context.mamba_metadata.request_to_mamba_state_idx[rows.index(request_id)])
+    return context.mamba_conv_states[:, index].clone(), context.mamba_ssm_states[:, index].clone()
+
+
+def compare(got: tuple[Any, Any], want: tuple[Any, Any]) -> dict[str, Any]:
+    """Bit-equality of conv and SSM states, and the conv columns that differ (per layer)."""
+    import torch
+
+    conv_diff = (got[0] != want[0]).any(dim=1)  # (layers, d_conv)
+    return {"conv_equal": bool(torch.equal(got[0], want[0])), "ssm_equal": bool(torch.equal(got[1], want[1])),
+            "conv_columns_differing": [row.nonzero().flatten().tolist() for row in conv_diff]}
+
+
+def main(patched: bool) -> dict[str, Any]:
+    from megatron_ext.api import apply, revert
+    from megatron_ext.harness.ab import backend
+    from megatron_ext.harness.cases import load_case, plan_requests
+    from megatron_ext.harness.engine import build_engine, build_model, ensure_model_parallel
+    from megatron_ext.harness.step_loop import sampling_params
+    from megatron_ext.harness.tokenizer import default_tokenizer
+
+    from .hybrid_context_factory import recorded_restores
+
+    case = load_case(CASE)
+    planned = plan_requests(case, default_tokenizer())
+    prompt = list(planned[0].prompt_tokens)  # 48 tokens
+    params = sampling_params(case, planned[0])
+    chunked_case = case.model_copy(update={"inference": case.inference.model_copy(
+        update={"max_tokens": 64, "enable_chunked_prefill": True})})
+    patches = apply() if patched else revert()
+    with backend("cpu", mamba=True):
+        ensure_model_parallel()
+        model = build_model(case)
+
+        def prefilled(prompt_tokens: list[int], steps: int = 1, probe_case: Any = case) -> tuple[Any, Any]:
+            engine, context = build_engine(model, probe_case, False, "ref_zero")
+            engine.add_request(9, prompt_tokens, params)
+            for _ in range(steps):
+                engine.step_modern()
+            return live_states(context, 9)
+
+        engine, context = build_engine(model, case, True, "ref_zero")
+        with recorded_restores(context) as restores:
+            engine.add_request(0, prompt, params)
+            engine.step_modern()
+            engine.add_request(1, prompt[:34], params)
+            engine.step_modern()
+        restored = live_states(context, 1)
+        long_prompt = prompt + prompt[:18]
+        return {"applied": [p.patch for p in patches if p.state.value == "applied"],
+                "restore": {**compare(restored, prefilled(prompt[:34])),
+                            "restores": [[block, ok] for block, ok in restores]},
+                "chunked": compare(prefilled(long_prompt, 2, chunked_case), prefilled(long_prompt))}
+
+
+if __name__ == "__main__":
+    print("PROBE " + json.dumps(main(sys.argv[1:] != ["unpatched"])))

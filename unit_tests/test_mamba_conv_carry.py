@@ -1,0 +1,76 @@
+"""Fault H7 (issue 22): a Mamba prefill slice shorter than d_conv loses its conv history.
+
+The released ``MambaMixer._ssm_prefill`` (0.17.0 to 0.19.2) writes the conv state after a slice of
+``L < d_conv`` tokens as ``[0, ..., 0, x_1 .. x_L]``. Two ways to such a slice, each compared bit
+for bit with the same prompt prefilled at once with caching off (``unit_tests/hybrid_state_probe.py``
+runs megatron-core's engine and Mamba kernels in a subprocess under Triton's interpreter):
+
+* a restored mid-prompt Mamba snapshot (token 32) followed by 2 prompt tokens (fails unpatched on
+  0.19.x: conv columns 0-1 differ; on 0.17.x / 0.18.x unpatched nothing is restored, fault H4);
+* chunked prefill whose last chunk is 2 tokens (fails unpatched on every release).
+
+The SSM state is exact either way (0.17's unpatched chunked SSM differs too: fault H3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ext.patches.mamba_conv_carry import SSM_PREFILL, carry_conv_states, writes_slice_only_conv_state
+
+from .conftest import SOURCE_PATCHED, UNPATCHED
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def probe() -> dict:
+    """The probe's JSON (runtime patches applied unless ``MEGATRON_EXT_TEST_UNPATCHED=1``).
+    About 40 s of CPU time."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "unit_tests.hybrid_state_probe",
+                           "unpatched" if UNPATCHED else "patched"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("PROBE "):])
+
+
+EXACT = {"conv_equal": True, "ssm_equal": True, "conv_columns_differing": [[], []]}
+
+
+def test_restored_mid_prompt_snapshot_then_two_tokens_gives_the_reference_states(probe):
+    restore = probe["restore"]
+    assert [ok for _, ok in restore["restores"]] == [True], restore  # r0's state at token 32
+    assert {k: restore[k] for k in EXACT} == EXACT, restore
+
+
+def test_two_token_last_prefill_chunk_gives_the_reference_states(probe):
+    chunked = probe["chunked"]
+    assert {k: chunked[k] for k in EXACT} == EXACT, chunked
+
+
+@pytest.mark.parametrize("lengths", [[0, 1, 2, 3, 4, 7], [2]])
+def test_carry_conv_states_is_the_last_d_conv_inputs_of_history_and_slice(lengths):
+    """Against the definition: the last d_conv columns of ``[previous | slice]``."""
+    d_conv, dim = 4, 3
+    generator = torch.Generator().manual_seed(0)
+    previous = torch.randn(len(lengths), dim, d_conv, generator=generator)
+    slices = [torch.randn(dim, n, generator=generator) for n in lengths]
+    # what causal_conv1d_varlen_states writes: the slice's last d_conv tokens, zeros before them
+    written = torch.stack([torch.cat([torch.zeros(dim, d_conv), s], dim=1)[:, -d_conv:] for s in slices])
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    want = torch.stack([torch.cat([p, s], dim=1)[:, -d_conv:] for p, s in zip(previous, slices)])
+    assert torch.equal(carry_conv_states(previous, written, cu_seqlens), want)
+
+
+def test_the_code_probe_tells_released_from_source_patched_ssm_prefill():
+    has_fault, evidence = writes_slice_only_conv_state(SSM_PREFILL.original())
+    assert (has_fault, "_carry_conv_states" in evidence) == (not SOURCE_PATCHED, SOURCE_PATCHED), evidence
