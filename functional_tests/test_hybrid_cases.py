@@ -79,3 +79,17 @@ def test_hybrid_prefix(tmp_path):
         blocks = [r["block"] for r in run["audit"]["mamba_restore_log"]]
         assert blocks[0] == blocks[2] != blocks[1]  # r1 and r3 restore r0's prompt end (block 1)
         assert run["audit"]["kv_writes_redirected"] == 32
+
+
+@pytest.mark.slow
+def test_hybrid_chunked(tmp_path):
+    """r1 (101 tokens) and r2 (63) each restore r0's one-block prompt end at 16 on their first
+    prefill chunk and prefill the rest in chunks of at most 64 tokens."""
+    code, report, output = run_cli(tmp_path, "ab", "--case", "hybrid_chunked")
+    assert_bit_identical(code, report, output)
+    for policy in ("ref_zero", "lru"):
+        run = runs(report)[policy]
+        assert (run["counters"]["blocks_matched"], run["counters"]["prefill_tokens_skipped"]) == (2, 32)
+        assert restores(run) == [(1, 1, 16, True), (2, 2, 16, True)]
+        assert len({r["block"] for r in run["audit"]["mamba_restore_log"]}) == 1  # r0's block
+        assert run["steps"] == runs(report)["off"]["steps"] == 5

@@ -70,7 +70,7 @@ SOAK_HYBRID_INFERENCE = InferenceSpec(block_size_tokens=16, buffer_size_gb=224 *
 #: between conversation turns, groups
 #: arriving every step on average: megatron's Mamba kernels run under Triton's interpreter on the
 #: CPU, seconds per engine step, so the workload is short and dense.
-HYBRID_MAX_PROMPT_TOKENS, HYBRID_MAX_GENERATED_TOKENS, HYBRID_MEAN_ARRIVAL_GAP_STEPS = 64, 4, 1.0
+HYBRID_MAX_PROMPT_TOKENS, HYBRID_MAX_GENERATED_TOKENS, HYBRID_MEAN_ARRIVAL_GAP_STEPS = 64, 3, 1.0
 
 _WORDS = (
     "the a of to and in is it that for on with as was at by be this from or an are not have which "
@@ -166,7 +166,7 @@ def soak_case(
             budget = longest // (2 * turns - 1)  # the last turn holds 2*turns-1 messages
             messages = [("User: " if k % 2 == 0 else "Assistant: ") + _text(rng, _length(rng, max(1, budget - 12))) + "\n"
                         for k in range(2 * turns - 1)]
-            specs.append(RequestSpec(conversation=messages, turn_interval=rng.randint(1, 3 if hybrid else 12),
+            specs.append(RequestSpec(conversation=messages, turn_interval=rng.randint(1, 2 if hybrid else 12),
                                      arrival_step=step, num_tokens_to_generate=generate))
             left -= turns
         else:  # a question under a shared system prompt

@@ -190,12 +190,16 @@ class ContextAudit:
     def weights_updated(self) -> None:
         """The harness updated the model's weights (after ``engine.resume()`` or the explicit
         invalidation): the stale-hit audit moves to the next weight version; a context that built
-        a new allocator meanwhile (RECOMPUTE resume) gets the allocator wrappers again."""
+        a new allocator meanwhile (RECOMPUTE resume) gets the allocator wrappers again (the Mamba
+        slot allocator's too)."""
         self.stale.weights_updated()
         if self.context.kv_block_allocator is not self._allocator:
             self._detach_allocator()
             self.stale.allocator_replaced()
             self._attach_allocator()
+        if getattr(self.context, "mamba_slot_allocator", None) is not self._mamba_slots:
+            self._detach_mamba_slots()
+            self._attach_mamba_slots()
 
     def _detach_allocator(self) -> None:
         for name in ("allocate_memory_blocks", "register_kv_block_hashes", "_deregister_blocks", "evict_lru_blocks"):
@@ -207,8 +211,12 @@ class ContextAudit:
             self.context.__dict__.pop(name, None)
         if self._allocator is not None:
             self._detach_allocator()
+        self._detach_mamba_slots()
+
+    def _detach_mamba_slots(self) -> None:
         if self._mamba_slots is not None:
             self._mamba_slots.__dict__.pop("restore_to_live", None)
+            self._mamba_slots = None
 
     # -- checkpoints of a run -------------------------------------------------------------------
 
