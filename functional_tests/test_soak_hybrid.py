@@ -1,0 +1,48 @@
+"""``megatron-ext soak --hybrid`` at CI size: the soak's generated workload (rollouts, multi-turn
+conversations, shared system prompts) on a tiny hybrid (Mamba + attention) model.
+
+One command (caching off once, on per eviction policy) in a fresh interpreter with Triton's
+interpreter on (``run_cli`` of ``test_hybrid_cases``); the tests read its JSON. Seed 5's 8 requests
+hold a rollout of 4 samples of a 33-token prompt and a 4-turn conversation (8-71 tokens), so the
+siblings and the later turns restore Mamba snapshots taken *inside* an earlier prompt's prefill
+(at 16, 32 and 48), which no shipped case does. About 60-90 s of CPU time per release.
+
+``MEGATRON_EXT_SOAK_HYBRID_REQUESTS`` / ``MEGATRON_EXT_SOAK_HYBRID_SEED`` change size and seed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from functional_tests.test_hybrid_cases import UNPATCHED, run_cli, runs
+
+REQUESTS = int(os.environ.get("MEGATRON_EXT_SOAK_HYBRID_REQUESTS", "8"))
+SEED = int(os.environ.get("MEGATRON_EXT_SOAK_HYBRID_SEED", "5"))
+
+
+@pytest.fixture(scope="module")
+def soak(tmp_path_factory) -> tuple[int, dict, str]:
+    """(exit code, JSON, output) of ``megatron-ext soak --hybrid --requests REQUESTS --seed SEED``."""
+    return run_cli(tmp_path_factory.mktemp("soak-hybrid"), "soak", "--hybrid", "--requests", str(REQUESTS),
+                   "--seed", str(SEED), "--no-progress")
+
+
+@pytest.mark.slow
+def test_every_request_runs_and_every_audit_holds(soak):
+    code, report, output = soak
+    assert report["num_requests"] == REQUESTS and report["case"] == f"soak-{REQUESTS}-seed{SEED}-hybrid"
+    for name, run in runs(report).items():
+        assert run["error"] is None, output
+        assert len(run["outputs"]) == REQUESTS and all(len(o["tokens"]) > 0 for o in run["outputs"].values())
+        audit = run["audit"]
+        assert (audit["kv_write_violations"], audit["refcount_violations"], audit["lru_violations"],
+                audit["mamba_restore_violations"]) == (0, 0, 0, 0), audit["examples"]
+        if name == "off":
+            assert (audit["mamba_restores"], run["counters"]["blocks_matched"]) == (0, 0)
+            continue
+        assert run["counters"]["blocks_matched"] > 0 and run["counters"]["prefill_tokens_skipped"] > 0
+        assert audit["mamba_restores"] > 0 and audit["mamba_restores_failed"] == 0
+        summary = report["soak"]["runs"][name]
+        assert (summary["mamba_restores"], summary["mamba_restore_violations"]) == (audit["mamba_restores"], 0)
