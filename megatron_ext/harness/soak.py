@@ -59,17 +59,15 @@ SOAK_HYBRID_MODEL = ModelSpec(hybrid_layer_pattern="M*M", hidden_size=32, num_at
                               mamba_num_groups=1, mamba_chunk_size=16, mamba_ssm_states_dtype="fp32")
 
 #: ``soak --hybrid``: up to 8 requests, 64-token prefill chunks, a 1 MiB Mamba snapshot cache
-#: (hundreds of slots) and a buffer megatron-core splits between the 8 requests' live Mamba
-#: states and about 40 KV blocks of 16 tokens (fp32, one attention layer x 2 heads x 16
-#: channels x K,V = 4 KiB a block).
+#: (hundreds of slots) and a 224 KiB buffer, which megatron-core splits between the 8 requests'
+#: live Mamba states and the KV pool (42 blocks of 16 tokens on 0.19.2).
 SOAK_HYBRID_INFERENCE = InferenceSpec(block_size_tokens=16, buffer_size_gb=224 * 1024 / 1024**3, max_requests=8,
                                       max_tokens=64, max_sequence_length=128, enable_chunked_prefill=True,
                                       prefix_caching_mamba_gb=0.001)
 
-#: ``soak --hybrid``'s request shapes: prompts of at most 64 tokens, 2-4 generated tokens, 1-3 steps
-#: between conversation turns, groups
-#: arriving every step on average: megatron's Mamba kernels run under Triton's interpreter on the
-#: CPU, seconds per engine step, so the workload is short and dense.
+#: ``soak --hybrid``'s request shapes: prompts of at most 64 tokens, 2-3 generated tokens, 1-2 steps
+#: between conversation turns, groups arriving every step on average: megatron's Mamba kernels run
+#: under Triton's interpreter on the CPU, seconds per engine step, so the workload is short and dense.
 HYBRID_MAX_PROMPT_TOKENS, HYBRID_MAX_GENERATED_TOKENS, HYBRID_MEAN_ARRIVAL_GAP_STEPS = 64, 3, 1.0
 
 _WORDS = (
@@ -128,9 +126,9 @@ def soak_case(
         hybrid: a hybrid (Mamba + attention) model (:data:`SOAK_HYBRID_MODEL`,
             :data:`SOAK_HYBRID_INFERENCE`) and shorter requests (prompts of at most
             :data:`HYBRID_MAX_PROMPT_TOKENS` tokens, 2-:data:`HYBRID_MAX_GENERATED_TOKENS`
-            generated tokens, groups every :data:`HYBRID_MEAN_ARRIVAL_GAP_STEPS` steps on average);
-            the same kinds of groups (rollouts, conversations, shared system prompts, which then
-            start every question: they are longer than the prompt budget otherwise). Needs Triton's
+            generated tokens, groups every :data:`HYBRID_MEAN_ARRIVAL_GAP_STEPS` steps on average,
+            1-2 steps between turns); the same kinds of groups (rollouts, conversations, questions
+            under the shared system prompts, cut to half the prompt budget). Needs Triton's
             interpreter on the CPU (``TRITON_INTERPRET=1 MAMBA_DETERMINISTIC=1``).
 
     Returns:
