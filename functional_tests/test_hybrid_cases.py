@@ -24,6 +24,8 @@ from megatron_ext.cpu_backend.mamba import TRITON_CPU_ENV
 
 UNPATCHED = os.environ.get("MEGATRON_EXT_TEST_UNPATCHED", "") == "1"
 REPO = Path(__file__).resolve().parents[1]
+#: Wall-clock limit of one command (s): 1-2 minutes on a quiet 2-core machine, 10-15 at load 20.
+TIMEOUT_S = int(os.environ.get("MEGATRON_EXT_HYBRID_TIMEOUT_S", "1800"))
 
 
 def run_cli(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
@@ -33,7 +35,7 @@ def run_cli(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
     command = [sys.executable, "-m", "megatron_ext", *args, "--json", str(out), "--width", "200",
                *(("--unpatched",) if UNPATCHED else ())]
     proc = subprocess.run(command, cwd=REPO, env={**os.environ, **TRITON_CPU_ENV}, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=TIMEOUT_S)
     output = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert out.exists(), output
     return proc.returncode, json.loads(out.read_text()), output
