@@ -20,7 +20,7 @@ from megatron_ext.harness.audits import FAULT_OF_KIND, ContextAudit
 from megatron_ext.harness.audits.base import AuditLog
 from megatron_ext.harness.audits.mamba_snapshots import MambaRestore, MambaSnapshotAudit
 
-from .context_factory import block_table, make_request
+from .context_factory import block_table, make_request, prefix_caching_context
 from .hybrid_context_factory import (
     cache_mamba_state, engine_mamba_match, hybrid_prefix_caching_context, run_pending_mamba_ops,
 )
@@ -103,3 +103,15 @@ def test_restore_inside_add_request_is_settled_with_its_skip():
     audit.end_add_request(5, first_chunk=True, skipped=32)
     audit.end_step()
     assert audit.restores == [MambaRestore(0, 5, 9, 32, True)] and log.violations == []
+
+
+def test_gpt_prefix_hits_are_not_mamba_violations():
+    # a GPT context has no Mamba slot allocator: its skips need no restore
+    with prefix_caching_context() as context:
+        audit = ContextAudit(context).attach()
+        context.add_request(make_request(1, PROMPT[:48]))
+        context.add_request(make_request(2, PROMPT[:40]))  # 2 blocks matched, 32 tokens skipped
+        audit.end_step()
+        audit.detach()
+    assert audit.counters.prefill_tokens_skipped == 32
+    assert audit.violations == [] and audit.mamba.restores == []

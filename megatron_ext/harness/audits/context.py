@@ -126,7 +126,8 @@ class ContextAudit:
             self.stale.end_add_request(req.request_id, self.kv_writes.last_matched)
             computed = ctx.active_token_count - first_token
             self.pool.added(matched, chunk, computed)
-            self.mamba.end_add_request(req.request_id, finished == 0, chunk - computed)
+            if self._mamba_slots is not None:  # a hybrid context with a Mamba prefix cache
+                self.mamba.end_add_request(req.request_id, finished == 0, chunk - computed)
             return result
 
         def audited_append(layer_number, key, value):
