@@ -377,8 +377,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
         return 2
     policies = list(dict.fromkeys(args.policy or ("ref_zero", "lru")))  # a repeated --policy runs once
     tokenizer = _tokenizer(args)
-    case = soak_case(args.requests, args.seed, policies,
-                     chunked_prefill=not args.no_chunked_prefill, update_every=args.update_every)
+    case = soak_case(args.requests, args.seed, policies, chunked_prefill=not args.no_chunked_prefill,
+                     update_every=args.update_every, hybrid=args.hybrid)
     if tokenizer is not None and tokenizer.vocab_size > case.model.vocab_size:
         # The soak model has no case file to edit: it grows to the tokenizer's IDs (random weights
         # either way), said on a line, so the dumped case reruns with 'ab --case ... --tokenizer'.
@@ -403,6 +403,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
         f"{run['peak_pool_use']} blocks, {run['requests_paused']} requests paused "
         f"(peak {run['peak_paused_requests']} at once), {run['requests_evicted']} requests "
         f"evicted, {run['cached_blocks_evicted']} cached blocks evicted"
+        + (f", {run['mamba_restores']} Mamba restores ({run['mamba_restores_failed']} failed)"
+           if "mamba_restores" in run else "")
         + (f"; megatron-core raised: {run['error']}" if run["error"] else "")
         for name, run in summary["runs"].items()
     ]
@@ -617,6 +619,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a weight update every N engine steps: seeded noise added to every parameter, "
                         "then megatron_ext.invalidate_prefix_cache(engine) (requests arriving after an "
                         "update belong to the next round; the stale-hit audit counts matches of older KV)")
+    p_soak.add_argument("--hybrid", action="store_true",
+                        help="a tiny hybrid (Mamba + attention) model with a Mamba prefix cache and shorter requests "
+                        "(prompts <= 64 tokens); Mamba restores are audited. On the CPU set TRITON_INTERPRET=1 "
+                        "MAMBA_DETERMINISTIC=1 (seconds per engine step: use tens of requests)")
     p_soak.add_argument("--unpatched", action="store_true",
                         help="run megatron-core as released, without megatron-ext's runtime patches")
     _add_tokenizer_arguments(p_soak, "the generated prompts", "their lengths are then in characters, not "

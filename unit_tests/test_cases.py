@@ -15,9 +15,28 @@ TOKENIZER = default_tokenizer()
 
 def test_shipped_cases():
     assert shipped_cases() == [
-        "chunked_prefill", "lru_pressure", "memory_pressure", "multi_turn_chat", "rl_rollouts", "rl_weight_update",
-        "shared_system_prompt",
+        "chunked_prefill", "hybrid_chunked", "hybrid_prefix", "lru_pressure", "memory_pressure", "multi_turn_chat",
+        "rl_rollouts", "rl_weight_update", "shared_system_prompt",
     ]
+
+
+@pytest.mark.parametrize("name, lengths, arrivals", [
+    # prompt ends on block boundaries (32, 80) where later requests restore the Mamba state
+    ("hybrid_prefix", [32, 80, 86, 65, 16], [0, 1, 2, 2, 2]),
+    # a one-block prompt (its only Mamba snapshot is its end), then two longer than a 64-token step
+    ("hybrid_chunked", [16, 101, 63], [0, 1, 1]),
+])
+def test_hybrid_cases_plan_as_documented(name, lengths, arrivals):
+    case = load_case(name)
+    assert case.model.is_hybrid and case.model.hybrid_layer_pattern == "M*M"
+    assert case.model.mamba_chunk_size == case.inference.block_size_tokens == 16  # restores on the chunk grid
+    assert (case.model.params_dtype, case.model.mamba_ssm_states_dtype) == ("fp32", "fp32")
+    assert case.prefix_caching_eviction_policies == ["ref_zero", "lru"]
+    planned = plan_requests(case, TOKENIZER)
+    assert [len(p.prompt_tokens) for p in planned] == lengths
+    assert [p.arrival_step for p in planned] == arrivals
+    first = planned[0].prompt_tokens
+    assert all(p.prompt_tokens[:len(first) // 2] == first[:len(first) // 2] for p in planned)  # a shared prefix
 
 
 def test_rl_rollouts_expands_samples_with_block_multiple_and_odd_lengths():

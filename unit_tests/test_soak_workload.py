@@ -61,3 +61,24 @@ def test_dumped_case_file_loads_as_the_same_case(tmp_path):
     path = tmp_path / "soak.yaml"
     path.write_text(dump_case(case))
     assert load_case(str(path)) == case
+
+
+def test_hybrid_variant_is_a_small_hybrid_model_with_short_prompts():
+    from megatron_ext.harness.soak import SOAK_HYBRID_INFERENCE, SOAK_HYBRID_MODEL
+
+    case = soak_case(2000, seed=0, hybrid=True)
+    assert case.name == "soak-2000-seed0-hybrid"
+    assert case.model == SOAK_HYBRID_MODEL and case.model.is_hybrid
+    assert case.model.mamba_chunk_size == case.inference.block_size_tokens == 16
+    assert case.inference == SOAK_HYBRID_INFERENCE and case.inference.prefix_caching_mamba_gb == 0.001
+    planned = plan_requests(case, TOKENIZER)
+    assert len(planned) == 2000
+    lengths = [len(p.prompt_tokens) for p in planned]
+    # at most 64 tokens, conversations up to 71 (each message keeps its role label)
+    assert max(lengths) == 71 and sum(n > 64 for n in lengths) == 55
+    assert {s.prefix for s in case.requests if s.prefix} == {
+        "System: You are a careful assist", "System: You are a patient tutor.", "System: Reply as a terse code re"}
+    assert max(p.num_tokens_to_generate for p in planned) == 3
+    assert max(p.arrival_step for p in planned) == 575
+    assert soak_case(12, seed=0, hybrid=True).requests == soak_case(12, seed=0, hybrid=True).requests
+    assert soak_case(100, seed=0) == soak_case(100, seed=0, hybrid=False)  # the GPT soak is unchanged

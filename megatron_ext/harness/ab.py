@@ -142,6 +142,10 @@ class ABResult:
             problems.append(
                 f"{FAULT_OF_KIND['stale_hit']}: {self.total('stale_hits')} stale hits: requests admitted after a "
                 "weight update matched KV blocks cached under older weights")
+        if self.total("mamba_restore_violations"):
+            problems.append(
+                f"{FAULT_OF_KIND['mamba_restore']}: {self.total('mamba_restore_violations')} hybrid requests "
+                "skipped prefill tokens without their Mamba state restored")
         problems.extend(self._update_mismatches())
         if self.trainer_logprobs is not None:
             problems.extend(self.trainer_logprobs.failures())
@@ -205,6 +209,10 @@ class ABResult:
             "refcount_violations": self.total("refcount_violations"),
             "lru_violations": self.total("lru_violations"),
             "stale_hits": self.total("stale_hits"),
+            **({} if not self.case.model.is_hybrid else {
+                "mamba_restores": self.total("mamba_restores"),
+                "mamba_restores_failed": self.total("mamba_restores_failed"),
+                "mamba_restore_violations": self.total("mamba_restore_violations")}),
             "weight_updates": (None if self.case.weight_updates is None else
                                {**self.case.weight_updates.model_dump(), "rounds": self.case.weight_updates.rounds,
                                 "checkpoints": [c.path for c in self.update_checkpoints]

@@ -49,19 +49,24 @@ def summary_table(result: ABResult) -> Table:
     """Per run: steps, time, prefix-cache counters, audit results (stale hits with weight updates)."""
     table = Table(title="runs, prefix-cache counters and audits")
     updates = result.case.weight_updates is not None
+    hybrid = result.case.model.is_hybrid
     for column in ("run", "steps", "seconds", "cache hits", "blocks matched", "prefill tokens skipped",
                    "prefill tokens computed", "KV writes checked", "KV write violations",
+                   *(("KV writes redirected", "Mamba restores (failed)", "Mamba restore violations") * hybrid),
                    "ref-count violations", "LRU violations", *(("stale hits",) * updates)):
         table.add_column(column, justify="right" if column != "run" else "left")
     for run in result.runs:
         counters, audit = run.counters, run.audit
         stale = (_count(audit.stale_hits) if run.prefix_caching else "n/a",) * updates
+        mamba = (str(audit.kv_writes_redirected), f"{audit.mamba_restores} ({audit.mamba_restores_failed})",
+                 _count(audit.mamba_restore_violations) if run.prefix_caching else "n/a") * hybrid
         table.add_row(
             run.label, str(run.steps), f"{run.wall_s:.1f}",
             *(str(n) for n in (counters.cache_hits, counters.blocks_matched, counters.prefill_tokens_skipped,
                                counters.prefill_tokens_computed)),
             str(audit.kv_writes_checked),
             _count(audit.kv_write_violations),
+            *mamba,
             _count(audit.refcount_violations) if run.prefix_caching else "n/a",
             _count(audit.lru_violations) if run.prefix_caching else "n/a",
             *stale,

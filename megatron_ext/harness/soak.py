@@ -52,6 +52,24 @@ SHORT_TOKENS = 40
 #: most here, so the queue and the pool stay full.
 MEAN_ARRIVAL_GAP_STEPS = 2.5
 
+#: ``soak --hybrid``: a tiny hybrid model (Mamba, attention, Mamba; fp32 weights and Mamba states,
+#: Mamba chunk 16 = the block size, so every block boundary is a possible exact restore point).
+SOAK_HYBRID_MODEL = ModelSpec(hybrid_layer_pattern="M*M", hidden_size=32, num_attention_heads=2, params_dtype="fp32",
+                              seed=1234, init_method_std=0.1, mamba_state_dim=8, mamba_head_dim=16,
+                              mamba_num_groups=1, mamba_chunk_size=16, mamba_ssm_states_dtype="fp32")
+
+#: ``soak --hybrid``: up to 8 requests, 64-token prefill chunks, a 1 MiB Mamba snapshot cache
+#: (hundreds of slots) and a 224 KiB buffer, which megatron-core splits between the 8 requests'
+#: live Mamba states and the KV pool (42 blocks of 16 tokens on 0.19.2).
+SOAK_HYBRID_INFERENCE = InferenceSpec(block_size_tokens=16, buffer_size_gb=224 * 1024 / 1024**3, max_requests=8,
+                                      max_tokens=64, max_sequence_length=128, enable_chunked_prefill=True,
+                                      prefix_caching_mamba_gb=0.001)
+
+#: ``soak --hybrid``'s request shapes: prompts of at most 64 tokens, 2-3 generated tokens, 1-2 steps
+#: between conversation turns, groups arriving every step on average: megatron's Mamba kernels run
+#: under Triton's interpreter on the CPU, seconds per engine step, so the workload is short and dense.
+HYBRID_MAX_PROMPT_TOKENS, HYBRID_MAX_GENERATED_TOKENS, HYBRID_MEAN_ARRIVAL_GAP_STEPS = 64, 3, 1.0
+
 _WORDS = (
     "the a of to and in is it that for on with as was at by be this from or an are not have which "
     "river water block cache token prompt model layer engine request sample batch memory pool "
@@ -93,6 +111,7 @@ def soak_case(
     policies: Sequence[str] = ("ref_zero", "lru"),
     chunked_prefill: bool = True,
     update_every: Optional[int] = None,
+    hybrid: bool = False,
 ) -> Case:
     """A reproducible soak workload of exactly ``requests`` engine requests.
 
@@ -103,11 +122,20 @@ def soak_case(
         chunked_prefill: megatron-core's ``enable_chunked_prefill``. Off, prompts longer than a
             step's token budget cannot be admitted, so ``max_tokens`` is raised to 256 (every
             prompt then prefills in one step); the workload is the same.
+        update_every: a weight update every this many engine steps (:func:`with_weight_updates`).
+        hybrid: a hybrid (Mamba + attention) model (:data:`SOAK_HYBRID_MODEL`,
+            :data:`SOAK_HYBRID_INFERENCE`) and shorter requests (prompts of at most
+            :data:`HYBRID_MAX_PROMPT_TOKENS` tokens, 2-:data:`HYBRID_MAX_GENERATED_TOKENS`
+            generated tokens, groups every :data:`HYBRID_MEAN_ARRIVAL_GAP_STEPS` steps on average,
+            1-2 steps between turns); the same kinds of groups (rollouts, conversations, questions
+            under the shared system prompts, cut to half the prompt budget). Needs Triton's
+            interpreter on the CPU (``TRITON_INTERPRET=1 MAMBA_DETERMINISTIC=1``).
 
     Returns:
-        A :class:`Case` named ``soak-<requests>-seed<seed>`` (chunked prefill as asked), a 48-block
-        KV pool (:data:`SOAK_INFERENCE`) and the expectations of a soak: bit-identical, at least
-        one matched block.
+        A :class:`Case` named ``soak-<requests>-seed<seed>`` (``-hybrid`` for a hybrid model;
+        chunked prefill as asked), a 48-block KV pool (:data:`SOAK_INFERENCE`; hybrid:
+        :data:`SOAK_HYBRID_INFERENCE`) and the expectations of a soak: bit-identical, at least one
+        matched block.
 
     Raises:
         ValueError: ``requests`` < 1.
@@ -115,47 +143,52 @@ def soak_case(
     """
     if requests < 1:
         raise ValueError(f"soak: --requests must be >= 1, got {requests}")
+    longest, most_generated, gap = ((HYBRID_MAX_PROMPT_TOKENS, HYBRID_MAX_GENERATED_TOKENS, HYBRID_MEAN_ARRIVAL_GAP_STEPS)
+                                    if hybrid else (MAX_PROMPT_TOKENS, MAX_GENERATED_TOKENS, MEAN_ARRIVAL_GAP_STEPS))
+    system_prompts = tuple(s[:longest // 2] for s in _SYSTEM_PROMPTS) if hybrid else _SYSTEM_PROMPTS
     rng = random.Random(f"megatron-ext soak {seed}")
     specs: list[RequestSpec] = []
     left, arrival = requests, 0.0
     while left:
         kind = rng.random()
         step = int(arrival)
-        generate = rng.randint(2, MAX_GENERATED_TOKENS)
+        generate = rng.randint(2, most_generated)
         if kind < 0.45:  # RL rollout: one prompt sampled N times, admitted together
             samples = min(left, rng.randint(2, 8))
-            prompt = _text(rng, _length(rng, MAX_PROMPT_TOKENS))
+            prompt = _text(rng, _length(rng, longest))
             specs.append(RequestSpec(prompt=prompt, samples=samples, arrival_step=step,
                                      num_tokens_to_generate=generate))
             left -= samples
         elif kind < 0.80:  # multi-turn conversation: turn k's prompt extends turn k-1's
             turns = min(left, rng.randint(2, 4))
-            budget = MAX_PROMPT_TOKENS // (2 * turns - 1)  # the last turn holds 2*turns-1 messages
-            messages = [("User: " if k % 2 == 0 else "Assistant: ") + _text(rng, _length(rng, budget - 12)) + "\n"
+            budget = longest // (2 * turns - 1)  # the last turn holds 2*turns-1 messages
+            messages = [("User: " if k % 2 == 0 else "Assistant: ") + _text(rng, _length(rng, max(1, budget - 12))) + "\n"
                         for k in range(2 * turns - 1)]
-            specs.append(RequestSpec(conversation=messages, turn_interval=rng.randint(1, 12),
+            specs.append(RequestSpec(conversation=messages, turn_interval=rng.randint(1, 2 if hybrid else 12),
                                      arrival_step=step, num_tokens_to_generate=generate))
             left -= turns
         else:  # a question under a shared system prompt
-            system = rng.choice(_SYSTEM_PROMPTS)
-            question = "User: " + _text(rng, _length(rng, MAX_PROMPT_TOKENS - len(system) - 7)) + "\n"
+            system = rng.choice(system_prompts)
+            question = "User: " + _text(rng, _length(rng, longest - len(system) - 7)) + "\n"
             specs.append(RequestSpec(prefix=system, prompt=question, arrival_step=step,
                                      num_tokens_to_generate=generate))
             left -= 1
-        arrival += rng.expovariate(1.0 / MEAN_ARRIVAL_GAP_STEPS)
-    inference = SOAK_INFERENCE if chunked_prefill else SOAK_INFERENCE.model_copy(
+        arrival += rng.expovariate(1.0 / gap)
+    base = SOAK_HYBRID_INFERENCE if hybrid else SOAK_INFERENCE
+    inference = base if chunked_prefill else base.model_copy(
         update={"enable_chunked_prefill": False, "max_tokens": 256})
     updates = None
     if update_every is not None:
         specs, updates = with_weight_updates(specs, update_every, seed)
     try:
         return Case(
-            name=f"soak-{requests}-seed{seed}" + ("" if chunked_prefill else "-unchunked")
+            name=f"soak-{requests}-seed{seed}" + ("-hybrid" if hybrid else "") + ("" if chunked_prefill else "-unchunked")
             + ("" if update_every is None else f"-update-every-{update_every}"),
             weight_updates=updates,
             description=f"Generated soak workload: {requests} requests (RL rollouts, multi-turn "
-                        f"conversations, shared system prompts), seed {seed}, 48-block KV pool.",
-            model=SOAK_MODEL,
+                        f"conversations, shared system prompts), seed {seed}, "
+                        + ("hybrid M*M model, Mamba prefix cache." if hybrid else "48-block KV pool."),
+            model=SOAK_HYBRID_MODEL if hybrid else SOAK_MODEL,
             inference=inference,
             prefix_caching_eviction_policies=list(policies),
             requests=specs,
@@ -219,6 +252,10 @@ def soak_summary(result: "ABResult") -> dict[str, Any]:
             "refcount_violations": run.audit.refcount_violations,
             "lru_violations": run.audit.lru_violations,
             "stale_hits": run.audit.stale_hits,
+            **({} if not result.case.model.is_hybrid else {
+                "mamba_restores": run.audit.mamba_restores, "mamba_restores_failed": run.audit.mamba_restores_failed,
+                "mamba_restore_violations": run.audit.mamba_restore_violations,
+                "kv_writes_redirected": run.audit.kv_writes_redirected}),
             "weight_updates": len(run.updates),
             "error": run.error,
         }

@@ -4,6 +4,8 @@
 * :mod:`.ref_counts`: ref counts equal live owners, a clean free pool, a complete drain (fault 1);
 * :mod:`.lru`: block tables without a repeated ID, whole prefix chains, child counts (faults 3-5);
 * :mod:`.stale_hits`: no hash match of a block cached under older weights (fault 8);
+* :mod:`.mamba_snapshots`: hybrid models: no prefill token skipped without its Mamba state
+  restored (fault H1); every ``restore_to_live`` recorded;
 * :mod:`.pool`: KV pool pressure and prefix-cache counters (measured, not checked);
 * :mod:`.context`: :class:`ContextAudit`, which attaches them to a context, detaches them, and
   returns typed summaries; :mod:`.base`: :class:`Violation`, :data:`FAULT_OF_KIND`.

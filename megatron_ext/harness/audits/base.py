@@ -14,10 +14,11 @@ class Violation:
 
     Attributes:
         kind: ``kv_write``, ``ref_count``, ``free_pool``, ``drain``, ``block_table``,
-            ``prefix_chain``, ``child_count`` or ``stale_hit`` (see :data:`FAULT_OF_KIND`).
+            ``prefix_chain``, ``child_count``, ``stale_hit`` or ``mamba_restore`` (see :data:`FAULT_OF_KIND`).
         step: engine step (0-based) at which it was seen.
-        block: the KV block ID concerned.
-        request_id: the request concerned (``kv_write``, ``block_table`` and ``stale_hit``), else -1.
+        block: the KV block ID concerned (-1: none, a ``mamba_restore`` skip with no restore attempt).
+        request_id: the request concerned (``kv_write``, ``block_table``, ``stale_hit`` and
+            ``mamba_restore``), else -1.
         detail: one human sentence.
     """
 
@@ -37,6 +38,7 @@ FAULT_OF_KIND = {
     "prefix_chain": "fix 3 fault (lru-leaf-first-eviction)",
     "child_count": "fix 5 fault (lru-register-once)",
     "stale_hit": "fault 8 (weight-update-invalidation)",
+    "mamba_restore": "fault H1 (mamba-clamp-restore)",
 }
 
 

@@ -5,8 +5,9 @@ and the attention layer ``context.append_key_value_cache``; the allocator's
 ``allocate_memory_blocks``, ``register_kv_block_hashes``, ``_deregister_blocks`` and ``evict_lru_blocks``), so it stacks on
 top of whatever class-level code is installed (patched or not) and is removed with
 :meth:`ContextAudit.detach`. It feeds one module per invariant: :mod:`.kv_writes` (fault 2),
-:mod:`.ref_counts` (fault 1), :mod:`.lru` (faults 3-5), :mod:`.stale_hits` (fault 8), and :mod:`.pool` (pool pressure and
-prefix-cache counters, measured, not checked).
+:mod:`.ref_counts` (fault 1), :mod:`.lru` (faults 3-5), :mod:`.stale_hits` (fault 8), :mod:`.mamba_snapshots` (hybrid models:
+the Mamba state restores, fault H1; through the Mamba slot allocator's ``restore_to_live``), and
+:mod:`.pool` (pool pressure and prefix-cache counters, measured, not checked).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from .base import AuditLog, Violation
 from .kv_writes import KVWriteAudit
 from .lru import LRUAudit
+from .mamba_snapshots import MambaSnapshotAudit
 from .pool import PoolAudit, PoolPressure, PrefixCacheCounters
 from .ref_counts import RefCountAudit
 from .stale_hits import StaleHitAudit
@@ -33,8 +35,16 @@ class AuditSummary:
         lru_violations: repeated block IDs, broken prefix chains, wrong child counts (faults 3-5).
         stale_hits: hash matches of blocks cached under older weights (fault 8; only runs with
             weight updates can have them).
+        mamba_restore_violations: hybrid models: Mamba restores that failed while prefill tokens
+            of the request were skipped, or skips with no restore (fault H1).
         violations_by_kind: violation kind -> count, kinds in the order first seen.
         kv_writes_checked: (token, layer) KV writes inspected.
+        kv_writes_redirected: (token, layer) KV writes that went to the dummy block (tokens
+            recomputed inside blocks obtained by a hash match, fix 2).
+        mamba_restores: hybrid models: ``restore_to_live`` calls (0: not a hybrid model, or no
+            Mamba prefix cache).
+        mamba_restores_failed: of those, the ones that found no snapshot.
+        mamba_restore_log: every restore as ``{step, request_id, block, tokens_skipped, restored}``.
         steps_checked: steps whose ref counts were checked.
         examples: violation kind -> its first three violations as ``step N: detail`` lines.
     """
@@ -43,8 +53,13 @@ class AuditSummary:
     refcount_violations: int = 0
     lru_violations: int = 0
     stale_hits: int = 0
+    mamba_restore_violations: int = 0
     violations_by_kind: dict[str, int] = field(default_factory=dict)
     kv_writes_checked: int = 0
+    kv_writes_redirected: int = 0
+    mamba_restores: int = 0
+    mamba_restores_failed: int = 0
+    mamba_restore_log: list[dict] = field(default_factory=list)
     steps_checked: int = 0
     examples: dict[str, list[str]] = field(default_factory=dict)
 
@@ -67,8 +82,10 @@ class ContextAudit:
         self.lru = LRUAudit(self.log)
         self.pool = PoolAudit(self.log)
         self.stale = StaleHitAudit(self.log)
+        self.mamba = MambaSnapshotAudit(self.log)
         self.steps_checked = 0
         self._allocator = None
+        self._mamba_slots = None
 
     @property
     def violations(self) -> list[Violation]:
@@ -97,12 +114,20 @@ class ContextAudit:
             self.lru.learn_parent_hashes(req)
             row, finished = ctx.total_request_count, req.finished_chunk_token_count
             self.stale.begin_add_request(req.request_id, finished)
+            self.mamba.begin_add_request(req.request_id)
             chunk = req.remaining_prompt_length if prefill_chunk_length is None else prefill_chunk_length
             first_token = ctx.active_token_count
-            result = add_request(req, prefill_chunk_length)
+            try:
+                result = add_request(req, prefill_chunk_length)
+            except BaseException:
+                self.mamba.add_request_failed()
+                raise
             matched = self.kv_writes.end_add_request(req.request_id, row, finished)
             self.stale.end_add_request(req.request_id, self.kv_writes.last_matched)
-            self.pool.added(matched, chunk, ctx.active_token_count - first_token)
+            computed = ctx.active_token_count - first_token
+            self.pool.added(matched, chunk, computed)
+            if self._mamba_slots is not None:  # a hybrid context with a Mamba prefix cache
+                self.mamba.end_add_request(req.request_id, finished == 0, chunk - computed)
             return result
 
         def audited_append(layer_number, key, value):
@@ -112,7 +137,22 @@ class ContextAudit:
         ctx.add_request = audited_add_request
         ctx.append_key_value_cache = audited_append
         self._attach_allocator()
+        self._attach_mamba_slots()
         return self
+
+    def _attach_mamba_slots(self) -> None:
+        """Wrap the Mamba slot allocator's ``restore_to_live`` (hybrid contexts with a Mamba prefix cache)."""
+        slots = getattr(self.context, "mamba_slot_allocator", None)
+        if slots is None or not hasattr(slots, "restore_to_live"):
+            return
+        self._mamba_slots, restore = slots, slots.restore_to_live
+
+        def audited_restore(request_idx: int, block_id: int, *args, **kwargs) -> bool:
+            restored = restore(request_idx, block_id, *args, **kwargs)
+            self.mamba.restore_called(request_idx, block_id, restored)
+            return restored
+
+        slots.restore_to_live = audited_restore
 
     def _attach_allocator(self) -> None:
         """Wrap the context's current allocator (allocate, register, deregister, evict)."""
@@ -151,12 +191,16 @@ class ContextAudit:
     def weights_updated(self) -> None:
         """The harness updated the model's weights (after ``engine.resume()`` or the explicit
         invalidation): the stale-hit audit moves to the next weight version; a context that built
-        a new allocator meanwhile (RECOMPUTE resume) gets the allocator wrappers again."""
+        a new allocator meanwhile (RECOMPUTE resume) gets the allocator wrappers again (the Mamba
+        slot allocator's too)."""
         self.stale.weights_updated()
         if self.context.kv_block_allocator is not self._allocator:
             self._detach_allocator()
             self.stale.allocator_replaced()
             self._attach_allocator()
+        if getattr(self.context, "mamba_slot_allocator", None) is not self._mamba_slots:
+            self._detach_mamba_slots()
+            self._attach_mamba_slots()
 
     def _detach_allocator(self) -> None:
         for name in ("allocate_memory_blocks", "register_kv_block_hashes", "_deregister_blocks", "evict_lru_blocks"):
@@ -168,6 +212,12 @@ class ContextAudit:
             self.context.__dict__.pop(name, None)
         if self._allocator is not None:
             self._detach_allocator()
+        self._detach_mamba_slots()
+
+    def _detach_mamba_slots(self) -> None:
+        if self._mamba_slots is not None:
+            self._mamba_slots.__dict__.pop("restore_to_live", None)
+            self._mamba_slots = None
 
     # -- checkpoints of a run -------------------------------------------------------------------
 
@@ -175,6 +225,7 @@ class ContextAudit:
         """Check ref counts against live owners, the free pool, block tables and prefix chains; then advance the step."""
         owners = self.log.owner_counts()
         self.pool.end_step(owners)
+        self.mamba.end_step()
         if self.check_ref_counts:
             self.ref_counts.check(owners)
             self.lru.check()
@@ -208,8 +259,13 @@ class ContextAudit:
             refcount_violations=self.count("ref_count", "free_pool", "drain"),
             lru_violations=self.count("block_table", "prefix_chain", "child_count"),
             stale_hits=self.count("stale_hit"),
+            mamba_restore_violations=self.count("mamba_restore"),
             violations_by_kind=dict(Counter(v.kind for v in self.violations)),
             kv_writes_checked=self.kv_writes.kv_writes_checked,
+            kv_writes_redirected=self.kv_writes.kv_writes_redirected,
+            mamba_restores=len(self.mamba.restores),
+            mamba_restores_failed=self.mamba.failed(),
+            mamba_restore_log=self.mamba.records(),
             steps_checked=self.steps_checked,
             examples={k: lines[:3] for k, lines in first.items()},
         )

@@ -22,11 +22,14 @@ class KVWriteAudit:
         log: the context's :class:`AuditLog`.
         matched_blocks: request ID -> block IDs it obtained by a hash match.
         kv_writes_checked: number of (token, layer) KV writes inspected.
+        kv_writes_redirected: of those, the writes that went to the dummy block (fix 2 sends
+            there the KV of tokens recomputed inside blocks obtained by a hash match).
     """
 
     log: AuditLog
     matched_blocks: dict[int, set[int]] = field(default_factory=dict)
     kv_writes_checked: int = 0
+    kv_writes_redirected: int = 0
     #: the blocks the last ``add_request`` obtained by a hash match (new block-table entries)
     last_matched: list[int] = field(default_factory=list)
     _allocated_in_call: list[int] = field(default_factory=list)
@@ -64,6 +67,7 @@ class KVWriteAudit:
         for row, block in zip(rows, written):
             self.kv_writes_checked += 1
             if block == dummy:
+                self.kv_writes_redirected += 1
                 continue
             if row not in own_blocks:
                 own_blocks[row] = self._own_blocks(row)
