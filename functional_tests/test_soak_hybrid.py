@@ -55,7 +55,7 @@ def test_every_request_runs_and_every_audit_holds(soak):
 #: skip) and r0.t2.s0 (no Mamba match) restored nothing, recomputed tokens inside matched KV blocks
 #: and diverge at a later decode step. (A quick check: two requests admitted together or a step
 #: apart, caching off, gave bit-identical outputs, so batch composition alone does not explain it.)
-#: Open, beside the question of mid-prompt Mamba restores; strict: a fix shows as XPASS.
+#: Unchanged with faults H7 and H8 fixed (0.19.2, merged main). Open; strict: a fix shows as XPASS.
 class CachingOnDiffers(AssertionError):
     """Caching on is not bit-identical to off (the only failure the xfail below expects: a broken
     run, a timeout or a failed audit still fails the test)."""
@@ -63,8 +63,8 @@ class CachingOnDiffers(AssertionError):
 
 _HYBRID_SOAK_DIFFERS = pytest.mark.xfail(
     not UNPATCHED and SEED == 5 and REQUESTS == 8, strict=True, raises=CachingOnDiffers,
-    reason="hybrid soak: 4 of 8 requests differ by ~1e-7 (mid-prompt Mamba restore; recomputation inside "
-           "matched blocks without a restore): open")
+    reason="hybrid soak: 4 of 8 requests differ by ~1e-7 (recomputation inside matched blocks without "
+           "a restore; not H7/H8): open")
 
 
 @pytest.mark.slow
