@@ -109,6 +109,18 @@ def run_case(case: str, patched: bool = True) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def bit_identical_single_policy(result: dict, policy: str) -> tuple[dict, list]:
+    """Assert a one-policy case ran without errors and caching on equals caching off bit for bit;
+    returns ``(that policy's counters, the caching-off tokens per request)``."""
+    assert result["invariant"]
+    assert result["errors"] == [None, None]
+    counts = result["policies"][policy]
+    assert result["bit_identical"] and result["failures"] == [], (result["restores"], counts, result["failures"])
+    baseline, with_caching = result["tokens"]
+    assert with_caching == baseline
+    return counts, baseline
+
+
 #: hybrid_clamp, patched: r1's prefill tokens skipped per release series (0.17 has no clamp: the
 #: 1-token chunk after the snapshot at 32; 0.18/0.19: no snapshot at or before the clamped 16).
 CLAMP_SKIPPED = {"0.17": 32, "0.18": 0, "0.19": 0}
@@ -121,13 +133,8 @@ def test_clamped_skip_keeps_the_mamba_restore_consistent():
     token 32 and computes 1 token: exact only with fault H7 fixed (``mamba-conv-carry``).
     About 60 s on one core (0.19.2)."""
     result = run_case("hybrid_clamp", patched=not UNPATCHED)
-    assert result["invariant"]
-    assert result["errors"] == [None, None]
-    counts = result["policies"]["ref_zero"]
-    # caching on vs off, bit for bit (the restores and skip in the message)
-    assert result["bit_identical"] and result["failures"] == [], (result["restores"], counts, result["failures"])
-    baseline, with_caching = result["tokens"]
-    assert with_caching == baseline and all(len(tokens) == 4 for tokens in baseline)
+    counts, baseline = bit_identical_single_policy(result, "ref_zero")
+    assert all(len(tokens) == 4 for tokens in baseline)
     assert counts["blocks_matched"] == 2, counts  # r1 matches r0's first two blocks
     if result["restores"]["observable"]:
         # a failed restore means tokens were skipped whose Mamba state is not there
@@ -143,12 +150,8 @@ def test_restored_mid_prompt_snapshot_is_bit_identical():
     0.18.x take no snapshot at 32 (fault H4), skip nothing and fail the skip count. About 60 s
     on one core (0.19.2)."""
     result = run_case("hybrid_mid_restore", patched=not UNPATCHED)
-    assert result["invariant"]
-    assert result["errors"] == [None, None]
-    counts = result["policies"]["ref_zero"]
-    assert result["bit_identical"] and result["failures"] == [], (result["restores"], counts, result["failures"])
-    baseline, with_caching = result["tokens"]
-    assert with_caching == baseline and all(len(tokens) == 4 for tokens in baseline)
+    counts, baseline = bit_identical_single_policy(result, "ref_zero")
+    assert all(len(tokens) == 4 for tokens in baseline)
     assert counts["blocks_matched"] == 2, counts  # r0's first two blocks
     assert counts["skipped"] == 32, counts  # restored at the snapshot of token 32
     if result["restores"]["observable"]:
@@ -162,12 +165,8 @@ def test_continuation_chunk_skip_is_bit_identical():
     ``MEGATRON_EXT_TEST_UNPATCHED=1`` (or ``MEGATRON_EXT_SKIP=mamba-continuation-skip``) r1
     differs from caching off on every release. About 70 s on one core (0.19.2)."""
     result = run_case("hybrid_chunked_skip", patched=not UNPATCHED)
-    assert result["invariant"]
-    assert result["errors"] == [None, None]
-    counts = result["policies"]["lru"]
-    assert result["bit_identical"] and result["failures"] == [], (result["restores"], counts, result["failures"])
-    baseline, with_caching = result["tokens"]
-    assert with_caching == baseline and [len(tokens) for tokens in baseline] == [2, 1, 4]
+    counts, baseline = bit_identical_single_policy(result, "lru")
+    assert [len(tokens) for tokens in baseline] == [2, 1, 4]
     assert counts["blocks_matched"] >= 5, counts  # r1 matches r0's first blocks over two chunks
     if result["restores"]["observable"]:
         assert result["restores"]["failed"] == 0, result["restores"]
