@@ -18,6 +18,7 @@ import functools
 import hashlib
 import inspect
 import textwrap
+import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -28,22 +29,78 @@ from . import mcore
 PATCH_MARKER = "_self_megatron_ext_patch"
 
 
-def wrap_method(original: Any, wrapper: Callable, patch_name: str) -> Callable:
+@dataclass(frozen=True)
+class Guarded:
+    """A wrapper with nothing to do unless ``getattr(instance, attribute) == value``.
+
+    :func:`wrap_method` tests the attribute inline and otherwise calls the wrapped function
+    itself, so a patch costs no Python layer of its own on the instances it leaves alone (a GPT
+    context for a Mamba fix, a REF_ZERO allocator for an LRU fix). The admission path
+    (``add_request``) carries several patched functions per call.
+
+    Attributes:
+        wrapper: ``wrapper(wrapped, instance, args, kwargs)``, as :meth:`Patch.wrappers` gives it.
+        attribute: an attribute every instance of the target's class has (read with ``getattr``).
+        value: what it must equal for ``wrapper`` to run.
+    """
+
+    wrapper: Callable
+    attribute: str
+    value: Any = True
+
+
+def wrap_method(original: Any, wrapper: Callable | Guarded, patch_name: str) -> Callable:
     """A plain function to store in place of the method ``original`` (a class ``__dict__`` entry).
 
     Calling it as ``instance.method(*args, **kwargs)`` or ``Class.method(instance, *args,
     **kwargs)`` calls ``wrapper(bound_original, instance, args, kwargs)`` (``wrapt``'s calling
-    convention). It carries ``original``'s name, docstring and signature, ``__wrapped__`` =
+    convention); a :class:`Guarded` wrapper only when its attribute test holds, ``original``
+    directly otherwise. It carries ``original``'s name, docstring and signature, ``__wrapped__`` =
     ``original`` and :data:`PATCH_MARKER` = ``patch_name``.
+
+    Raises:
+        TypeError: a :class:`Guarded` wrapper for an ``original`` that is not a plain function
+            (it is called with the instance as its first argument).
     """
     bind = original.__get__
-
-    def patched(self, *args, **kwargs):
-        return wrapper(bind(self), self, args, kwargs)
+    bypass = None
+    if isinstance(wrapper, Guarded):
+        patched, bypass = _guarded(original, wrapper)
+    else:
+        def patched(self, *args, **kwargs):
+            return wrapper(bind(self), self, args, kwargs)
 
     functools.update_wrapper(patched, original)  # also copies an inner wrapper's __dict__ ...
     setattr(patched, PATCH_MARKER, patch_name)  # ... so the marker is set after it
+    setattr(patched, BYPASS_ATTR, bypass)
     return patched
+
+
+#: Set on every installed function: ``((attribute, value), function)`` for a :class:`Guarded`
+#: one, the function it calls when the test fails; None for any other.
+BYPASS_ATTR = "_self_megatron_ext_bypass"
+
+
+def _guarded(original: Any, guarded: Guarded) -> tuple[Callable, tuple]:
+    """The installed function for a :class:`Guarded` wrapper, and its bypass (:data:`BYPASS_ATTR`).
+
+    When ``original`` is itself a guarded wrapper with the same test (two Mamba fixes on one
+    function), a failed test goes straight to what that one would call: one test per call, not
+    one per patch. Safe because patches are reverted outermost first (:meth:`Patch.uninstall`).
+    """
+    if not isinstance(original, types.FunctionType):
+        raise TypeError(f"a guarded wrapper needs a plain function to wrap, not {type(original).__name__}")
+    bind, wrapper, attribute, value = original.__get__, guarded.wrapper, guarded.attribute, guarded.value
+    test = (attribute, value)
+    inner = getattr(original, BYPASS_ATTR, None)
+    passthrough = inner[1] if inner is not None and inner[0] == test else original
+
+    def patched(self, *args, **kwargs):
+        if getattr(self, attribute) != value:
+            return passthrough(self, *args, **kwargs)
+        return wrapper(bind(self), self, args, kwargs)
+
+    return patched, (test, passthrough)
 
 
 class ShadowedMethod:
@@ -200,8 +257,9 @@ class Patch(ABC):
         return tuple(self.fingerprints)
 
     @abstractmethod
-    def wrappers(self) -> dict[Target, Callable]:
-        """Target -> wrapper ``(wrapped, instance, args, kwargs)`` to install on it (:func:`wrap_method`)."""
+    def wrappers(self) -> dict[Target, Callable | Guarded]:
+        """Target -> wrapper ``(wrapped, instance, args, kwargs)`` to install on it, maybe
+        :class:`Guarded` (:func:`wrap_method`)."""
 
     def checked_functions(self) -> tuple[Target, ...]:
         """Every function whose fingerprint must match: the wrapped targets by default."""

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..mcore import KV_BLOCK_ALLOCATOR_MODULE, import_module
-from ..patching import Patch, Target
+from ..patching import Guarded, Patch, Target
 
 REGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.register_kv_block_hashes")
 DEREGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator._deregister_blocks")
@@ -36,7 +36,7 @@ FINGERPRINTS = {"0.19.0": _V019, "0.19.2": _V019}
 
 
 def _bind(block_ids: list[int], block_hashes: list[int], parent_hashes: list[int] | None = None):
-    return list(block_ids), list(block_hashes), parent_hashes
+    return block_ids, block_hashes, parent_hashes
 
 
 def unregistered(
@@ -59,6 +59,8 @@ def unregistered(
     so the engine cannot get there. Only a block whose hash the map gives to another block (one
     hash on two blocks) is looked up in ``block_hashes``.
     """
+    if allocator.kv_hash_to_block_id.keys().isdisjoint(block_hashes):  # the common case, in C
+        return block_ids, block_hashes, parent_hashes
     owners = list(map(allocator.kv_hash_to_block_id.get, block_hashes))
     keep = [i for i, (block, owner) in enumerate(zip(block_ids, owners)) if owner != block]
     shared = [i for i in keep if owners[i] is not None]
@@ -74,9 +76,7 @@ def unregistered(
 
 def _register_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
     """Register only the blocks that do not hold their hash yet (:func:`unregistered`). Only LRU
-    keeps child counts, so only LRU changes."""
-    if allocator.prefix_caching_eviction_policy.name != "LRU":
-        return wrapped(*args, **kwargs)
+    keeps child counts, so only LRU changes (guarded: ``prefix_caching_eviction_policy``)."""
     block_ids, block_hashes, parent_hashes = _bind(*args, **kwargs)
     if block_ids:
         block_ids, block_hashes, parent_hashes = unregistered(allocator, block_ids, block_hashes, parent_hashes)
@@ -111,8 +111,9 @@ class RegisterOncePatch(Patch):
     name = "lru-register-once"
     fingerprints = FINGERPRINTS
 
-    def wrappers(self) -> dict[Target, Callable]:
-        return {REGISTER: _register_wrapper}
+    def wrappers(self) -> dict[Target, Guarded]:
+        lru = import_module("megatron.core.inference.config").PrefixCachingEvictionPolicy.LRU
+        return {REGISTER: Guarded(_register_wrapper, "prefix_caching_eviction_policy", lru)}
 
     def checked_functions(self) -> tuple[Target, ...]:
         return (REGISTER, DEREGISTER)

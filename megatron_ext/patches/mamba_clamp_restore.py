@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from .. import mcore
 from ..mcore import DYNAMIC_CONTEXT_MODULE
-from ..patching import Patch, Target
+from ..patching import Guarded, Patch, Target
 
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
 # Relied on: add_request restores from matched_block_ids[skip // block - 1] on the first chunk,
@@ -90,14 +90,14 @@ def restorable_skip(context: Any, matched_block_ids: list[int], prefix_skip_toke
 
 
 def _compute_prefix_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
-    """``_compute_prefix_match(req, prefill_chunk_length)``; returns the released 6-tuple with
-    ``prefix_skip_tokens`` and ``effective_prefill_chunk_length`` made restorable."""
+    """``_compute_prefix_match(req, prefill_chunk_length)`` of a hybrid context (guarded:
+    ``is_hybrid_model``); returns the released 6-tuple with ``prefix_skip_tokens`` and
+    ``effective_prefill_chunk_length`` made restorable."""
     result = wrapped(*args, **kwargs)
     matched, from_pool, allocated, required, skip, effective = result
     req = kwargs["req"] if "req" in kwargs else args[0]
     if (
         skip == 0
-        or not context.is_hybrid_model
         or getattr(context, "mamba_slot_allocator", None) is None
         or req.finished_chunk_token_count != 0  # later chunks restore nothing
     ):
@@ -123,8 +123,8 @@ class MambaClampRestorePatch(Patch):
     fault_evidence = ("_compute_prefix_match rounds a hybrid skip down to a block boundary (the "
                       ">= 2-token clamp) without checking that the block has a Mamba state")
 
-    def wrappers(self) -> dict[Target, Callable]:
-        return {COMPUTE_PREFIX_MATCH: _compute_prefix_match_wrapper}
+    def wrappers(self) -> dict[Target, Guarded]:
+        return {COMPUTE_PREFIX_MATCH: Guarded(_compute_prefix_match_wrapper, "is_hybrid_model")}
 
     def checked_functions(self) -> tuple[Target, ...]:
         return (COMPUTE_PREFIX_MATCH, ADD_REQUEST, HAS_STATE, RESTORE)

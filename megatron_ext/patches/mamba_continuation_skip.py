@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..mcore import DYNAMIC_CONTEXT_MODULE
-from ..patching import Patch, Target
+from ..patching import Guarded, Patch, Target
 
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
 # Relied on: add_request restores Mamba state only when finished_chunk_token_count == 0.
@@ -50,12 +50,13 @@ SOURCE_PATCHED_FINGERPRINTS = {"0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "
 
 
 def _compute_prefix_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
-    """``_compute_prefix_match(req, prefill_chunk_length, ...)``; returns the released 6-tuple, with
+    """``_compute_prefix_match(req, prefill_chunk_length, ...)`` of a hybrid context (guarded:
+    ``is_hybrid_model``); returns the released 6-tuple, with
     ``prefix_skip_tokens`` 0 and ``effective_prefill_chunk_length`` the whole chunk for a hybrid
     request's continuation chunk (``req.finished_chunk_token_count > 0``)."""
     result = wrapped(*args, **kwargs)
     matched, from_pool, allocated, required, skip, effective = result
-    if skip == 0 or not context.is_hybrid_model:
+    if skip == 0:
         return result
     req = kwargs["req"] if "req" in kwargs else args[0]
     if req.finished_chunk_token_count == 0:  # the first chunk's skip comes with a Mamba restore
@@ -73,8 +74,8 @@ class MambaContinuationSkipPatch(Patch):
     fault_evidence = ("_compute_prefix_match keeps the KV skip of a hybrid request's continuation chunk, "
                       "and add_request restores Mamba state on the first chunk only")
 
-    def wrappers(self) -> dict[Target, Callable]:
-        return {COMPUTE_PREFIX_MATCH: _compute_prefix_match_wrapper}
+    def wrappers(self) -> dict[Target, Guarded]:
+        return {COMPUTE_PREFIX_MATCH: Guarded(_compute_prefix_match_wrapper, "is_hybrid_model")}
 
     def checked_functions(self) -> tuple[Target, ...]:
         return (COMPUTE_PREFIX_MATCH, ADD_REQUEST)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..mcore import DYNAMIC_CONTEXT_MODULE
-from ..patching import Patch, Target
+from ..patching import Guarded, Patch, Target
 
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
 # Relied on: the KV match the released _compute_prefix_match computes, same arguments.
@@ -68,11 +68,11 @@ def mamba_match_in_chunk(context: Any, req: Any, prefill_chunk_length: int) -> i
 
 
 def _compute_prefix_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
-    """``_compute_prefix_match(req, prefill_chunk_length)`` with the chunk's own Mamba match."""
+    """``_compute_prefix_match(req, prefill_chunk_length)`` of a hybrid context (guarded:
+    ``is_hybrid_model``) with the chunk's own Mamba match."""
     req = kwargs["req"] if "req" in kwargs else args[0]
     if (
         context.enable_prefix_caching
-        and context.is_hybrid_model
         and getattr(context, "mamba_slot_allocator", None) is not None
         and req.finished_chunk_token_count == 0  # the only chunk that reads the Mamba match
     ):
@@ -87,8 +87,8 @@ class MambaMatchInChunkPatch(Patch):
     name = "mamba-match-in-chunk"
     fingerprints = FINGERPRINTS
 
-    def wrappers(self) -> dict[Target, Callable]:
-        return {COMPUTE_PREFIX_MATCH: _compute_prefix_match_wrapper}
+    def wrappers(self) -> dict[Target, Guarded]:
+        return {COMPUTE_PREFIX_MATCH: Guarded(_compute_prefix_match_wrapper, "is_hybrid_model")}
 
     def checked_functions(self) -> tuple[Target, ...]:
         return (COMPUTE_PREFIX_MATCH, FIND_KV_MATCH)

@@ -23,10 +23,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..mcore import DYNAMIC_CONTEXT_MODULE
-from ..patching import Patch, Target
+from ..patching import Guarded, Patch, Target
 
 ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
+
+#: Attribute kept on a context whose ``token_to_block_idx`` lives on the CPU (0.18+ keep the
+#: bookkeeping there): ``(tensor, NumPy view of it)``, so a redirect is a NumPy slice fill.
+CPU_VIEW_ATTR = "_megatron_ext_token_to_block_idx_view"
 
 #: Attribute kept on each request: the token-position ranges ``(start, stop)`` of the blocks it got
 #: from a hash match, one range per ``add_request`` call that matched, accumulated over the chunks
@@ -93,10 +97,25 @@ def redirect_matched_block_writes(
     for start, stop in matched_ranges:
         start, stop = max(start, first_position), min(stop, end_position)
         if start < stop:
-            context.token_to_block_idx[start + offset : stop + offset] = (
+            _token_to_block_idx(context)[start + offset : stop + offset] = (
                 context.kv_block_allocator.dummy_block_idx)
             redirected += stop - start
     return redirected
+
+
+def _token_to_block_idx(context: Any) -> Any:
+    """``context.token_to_block_idx``, as a NumPy view when it lives on the CPU: a slice fill
+    through NumPy skips torch's indexing machinery, which costs more than the fill itself on the
+    admission path. The view is kept per context and checked against the tensor it was made of."""
+    tensor = context.token_to_block_idx
+    cached = context.__dict__.get(CPU_VIEW_ATTR)
+    if cached is not None and cached[0] is tensor:
+        return cached[1]
+    if tensor.device.type != "cpu":
+        return tensor
+    view = tensor.numpy()
+    context.__dict__[CPU_VIEW_ATTR] = (tensor, view)
+    return view
 
 
 def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict) -> None:
@@ -106,11 +125,10 @@ def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: d
     positions, block aligned, stop exclusive) across the chunks of its prefill; they are dropped
     when its prefill starts over (``finished_chunk_token_count == 0``: a new request, or an
     evicted one added again). Nothing is recorded when ``add_request`` raises (it then admitted
-    nothing). It runs on every admission, so the common cases (nothing matched, nothing to
-    redirect) do as little as possible.
+    nothing). It runs on every admission with prefix caching on (guarded:
+    ``enable_prefix_caching``), so the common cases (nothing matched, nothing to redirect) do as
+    little as possible.
     """
-    if not context.enable_prefix_caching:
-        return wrapped(*args, **kwargs)
     req = kwargs["req"] if "req" in kwargs else args[0]
     finished = req.finished_chunk_token_count
     state = req.__dict__
@@ -147,8 +165,8 @@ class MatchedBlockWritesPatch(Patch):
     source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     fault_evidence = "no megatron-core release up to 0.19.2 carries the upstream fix"
 
-    def wrappers(self) -> dict[Target, Callable]:
-        return {ADD_REQUEST: _add_request_wrapper}
+    def wrappers(self) -> dict[Target, Guarded]:
+        return {ADD_REQUEST: Guarded(_add_request_wrapper, "enable_prefix_caching")}
 
     def checked_functions(self) -> tuple[Target, ...]:
         return (ADD_REQUEST, COMPUTE_PREFIX_MATCH)

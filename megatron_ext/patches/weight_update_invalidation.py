@@ -53,7 +53,7 @@ import torch
 
 from .. import mcore
 from ..env import choice
-from ..patching import Patch, PatchResult, PatchState, Target
+from ..patching import Guarded, Patch, PatchResult, PatchState, Target
 
 ON_WEIGHT_UPDATE_ENV = "MEGATRON_EXT_ON_WEIGHT_UPDATE"
 ON_WEIGHT_UPDATE_MODES = ("invalidate", "keep")
@@ -218,10 +218,9 @@ def _find_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: di
     the context's epoch (its hashes back if it was stale before and starts over). A stale request
     matches nothing, and its block hashes are set aside (``STASHED_HASHES_ATTR``) until it starts
     over: ``add_request`` registers only the hashes of ``precomputed_block_hashes``, so it
-    registers nothing either. Inlined: it runs on every admission.
+    registers nothing either. Inlined: it runs on every admission with prefix caching on
+    (guarded: ``enable_prefix_caching``).
     """
-    if not context.enable_prefix_caching:
-        return wrapped(*args, **kwargs)
     state = context.__dict__
     if SWAP_HOOK.pending or state.get(SEEN_VERSION_ATTR, 0) != _current_version:
         _sync_weight_version(context)
@@ -268,8 +267,9 @@ class WeightUpdateInvalidationPatch(Patch):
     fault_evidence = ("no megatron-core release up to 0.19.2 (nor upstream main) drops or salts the "
                       "prefix cache when weights change")
 
-    def wrappers(self) -> dict[Target, Callable]:
-        return {FIND_MATCH: _find_match_wrapper, REINITIALIZE: _reinitialize_wrapper}
+    def wrappers(self) -> dict[Target, Callable | Guarded]:
+        return {FIND_MATCH: Guarded(_find_match_wrapper, "enable_prefix_caching"),
+                REINITIALIZE: _reinitialize_wrapper}
 
     def checked_functions(self) -> tuple[Target, ...]:
         return (*self.wrappers(), ADD_REQUEST, DEREGISTER, RELEASE)
