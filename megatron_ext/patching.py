@@ -49,6 +49,18 @@ class Guarded:
     value: Any = True
 
 
+def lru_only(wrapper: Callable) -> Guarded:
+    """``wrapper`` guarded to run only where ``prefix_caching_eviction_policy`` is LRU (a
+    ``DynamicInferenceContext`` or a ``KVBlockAllocator``: both keep the policy). Under REF_ZERO,
+    megatron-core's default, the LRU fixes then cost no Python layer of their own.
+
+    Raises:
+        MegatronCoreNotFoundError: megatron-core is not importable.
+    """
+    lru = mcore.import_module("megatron.core.inference.config").PrefixCachingEvictionPolicy.LRU
+    return Guarded(wrapper, "prefix_caching_eviction_policy", lru)
+
+
 def wrap_method(original: Any, wrapper: Callable | Guarded, patch_name: str) -> Callable:
     """A plain function to store in place of the method ``original`` (a class ``__dict__`` entry).
 

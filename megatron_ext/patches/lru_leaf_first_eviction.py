@@ -48,7 +48,7 @@ import torch
 
 from ..errors import MegatronExtError
 from ..mcore import DYNAMIC_CONTEXT_MODULE, KV_BLOCK_ALLOCATOR_MODULE, uses_lru_prefix_caching
-from ..patching import Patch, Target, installed_patches
+from ..patching import Guarded, Patch, Target, installed_patches, lru_only
 from .lru_register_once import unregistered
 
 INIT = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.__init__")
@@ -170,7 +170,7 @@ def _init_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) 
 
 
 def _bind_register(block_ids: list[int], block_hashes: list[int], parent_hashes: list[int] | None = None):
-    return list(block_ids), list(block_hashes), parent_hashes
+    return block_ids, block_hashes, parent_hashes
 
 
 def register_with_parents(
@@ -251,6 +251,8 @@ def _link_block_table_run(context: Any, parent_id: torch.Tensor, child_count: to
 
 
 def _register_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
+    """Takes ``parent_hashes`` (0.19's signature) under every policy: callers ask
+    :func:`takes_parent_hashes`. Only LRU keeps the forest."""
     block_ids, block_hashes, parent_hashes = _bind_register(*args, **kwargs)
     if not block_ids or not uses_lru_prefix_caching(allocator):
         return wrapped(block_ids, block_hashes)
@@ -332,9 +334,9 @@ def evict_leaves_first(allocator: Any, num_blocks_needed: int) -> bool:
 
 def _find_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
     """A lookup walks a matched chain down to its root: resync first, so no unlinked cached
-    block (a child whose parent the released code evicted) is ever matched."""
-    if uses_lru_prefix_caching(context.kv_block_allocator):
-        sync_forest(context.kv_block_allocator)
+    block (a child whose parent the released code evicted) is ever matched. Guarded
+    (:func:`~megatron_ext.patching.lru_only`); only prefix caching matches."""
+    sync_forest(context.kv_block_allocator)
     return wrapped(*args, **kwargs)
 
 
@@ -373,9 +375,9 @@ class LeafFirstEvictionPatch(Patch):
     name = "lru-leaf-first-eviction"
     fingerprints = FINGERPRINTS
 
-    def wrappers(self) -> dict[Target, Callable]:
+    def wrappers(self) -> dict[Target, Callable | Guarded]:
         return {INIT: _init_wrapper, REGISTER: _register_wrapper, DEREGISTER: _deregister_wrapper,
-                RESET: _reset_wrapper, EVICT: _evict_wrapper, FIND_MATCH: _find_match_wrapper}
+                RESET: _reset_wrapper, EVICT: _evict_wrapper, FIND_MATCH: lru_only(_find_match_wrapper)}
 
     def checked_functions(self) -> tuple[Target, ...]:
         return (INIT, REGISTER, DEREGISTER, RESET, EVICT, FIND_MATCH, ADD_REQUEST)

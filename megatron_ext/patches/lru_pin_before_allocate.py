@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..mcore import DYNAMIC_CONTEXT_MODULE, KV_BLOCK_ALLOCATOR_MODULE, uses_lru_prefix_caching
-from ..patching import Patch, ShadowedMethod, Target
+from ..mcore import DYNAMIC_CONTEXT_MODULE, KV_BLOCK_ALLOCATOR_MODULE
+from ..patching import Guarded, Patch, ShadowedMethod, Target, lru_only
 
 ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
 CHECK_AVAILABILITY = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.check_availability")
@@ -57,10 +57,10 @@ def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: d
     0.17/0.18) is computed here, before anything is allocated, and the released ``add_request``
     is handed the same result: for the duration of the call the context's own
     ``_compute_prefix_match`` attribute answers the call with these arguments from it (any other
-    call goes through).
+    call goes through). Guarded (:func:`~megatron_ext.patching.lru_only`).
     """
     allocator = context.kv_block_allocator
-    if not uses_lru_prefix_caching(allocator):
+    if not allocator.enable_prefix_caching:
         return wrapped(*args, **kwargs)
     req = kwargs["req"] if "req" in kwargs else args[0]
     chunk = kwargs.get("prefill_chunk_length", args[1] if len(args) > 1 else None)
@@ -109,7 +109,7 @@ def blocks_after_match_fit(context: Any, req: Any) -> bool:
 def _check_availability_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
     request_fits, tokens_fit, kv_available = wrapped(*args, **kwargs)
     allocator = context.kv_block_allocator
-    if not kv_available or not uses_lru_prefix_caching(allocator):
+    if not kv_available or not allocator.enable_prefix_caching:  # guarded: lru_only
         return request_fits, tokens_fit, kv_available
     req = kwargs["req"] if "req" in kwargs else args[0]
     block = context.block_size_tokens
@@ -126,8 +126,9 @@ class PinBeforeAllocatePatch(Patch):
     name = "lru-pin-before-allocate"
     fingerprints = FINGERPRINTS
 
-    def wrappers(self) -> dict[Target, Callable]:
-        return {ADD_REQUEST: _add_request_wrapper, CHECK_AVAILABILITY: _check_availability_wrapper}
+    def wrappers(self) -> dict[Target, Guarded]:
+        return {ADD_REQUEST: lru_only(_add_request_wrapper),
+                CHECK_AVAILABILITY: lru_only(_check_availability_wrapper)}
 
     def checked_functions(self) -> tuple[Target, ...]:
         return (ADD_REQUEST, CHECK_AVAILABILITY, COMPUTE_PREFIX_MATCH, IS_MEMORY_AVAILABLE)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..mcore import KV_BLOCK_ALLOCATOR_MODULE, import_module
-from ..patching import Guarded, Patch, Target
+from ..patching import Guarded, Patch, Target, lru_only
 
 REGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.register_kv_block_hashes")
 DEREGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator._deregister_blocks")
@@ -112,8 +112,7 @@ class RegisterOncePatch(Patch):
     fingerprints = FINGERPRINTS
 
     def wrappers(self) -> dict[Target, Guarded]:
-        lru = import_module("megatron.core.inference.config").PrefixCachingEvictionPolicy.LRU
-        return {REGISTER: Guarded(_register_wrapper, "prefix_caching_eviction_policy", lru)}
+        return {REGISTER: lru_only(_register_wrapper)}
 
     def checked_functions(self) -> tuple[Target, ...]:
         return (REGISTER, DEREGISTER)
