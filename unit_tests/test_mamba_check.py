@@ -86,7 +86,8 @@ def test_selective_state_update_stores_into_the_first_element_of_its_x(probe):
 
 @pytest.mark.parametrize("fields, want", [
     ({}, None),
-    ({"hybrid_layer_pattern": "M*M", "hidden_size": 32, "params_dtype": "fp32"}, MambaDtypes(torch.float32, torch.float32, torch.float32)),
+    ({"hybrid_layer_pattern": "M*M", "hidden_size": 32, "params_dtype": "fp32"},
+     MambaDtypes(torch.float32, torch.float32, torch.float32)),
     ({"hybrid_layer_pattern": "M*M", "hidden_size": 32, "params_dtype": "bf16"},
      MambaDtypes(torch.bfloat16, torch.bfloat16, torch.bfloat16)),
     ({"hybrid_layer_pattern": "M*M", "hidden_size": 32, "params_dtype": "bf16", "mamba_ssm_states_dtype": "fp32"},

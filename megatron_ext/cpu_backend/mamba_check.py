@@ -7,10 +7,10 @@ in dynamic inference (0.17-0.19), looked up where the mixer looks them up and wi
 layouts it passes, on one sequence (prefill) or request (decode) alone and batched with others,
 and compares the bits:
 
-* prefill (a sequence of :data:`CHECKED_TOKENS` tokens, a full chunk of :data:`CHUNK` and a partial one, placed
-  first, in the middle and last of a packed batch, see :data:`PACKINGS`), each with zero initial
-  states (a fresh request: the mixer passes its zeroed state rows) and with random ones (a
-  restored prefix or a later prefill chunk):
+* prefill (a sequence of :data:`CHECKED_TOKENS` tokens, a full chunk of :data:`CHUNK` and a
+  partial one, placed first, in the middle and last of a packed batch, see :data:`PACKINGS`), each
+  with zero initial states (a fresh request: the mixer passes its zeroed state rows) and with
+  random ones (a restored prefix or a later prefill chunk):
 
   - ``causal_conv1d_varlen_fn`` (``megatron.core.ssm.ops.causal_conv1d_varlen``): the conv output;
   - ``mamba_chunk_scan_combined_varlen`` (the mixer's global): the outputs, the final SSM state,
@@ -21,15 +21,17 @@ and compares the bits:
   batch): ``causal_conv1d_update`` and ``selective_state_update`` (the mixer's globals): the output
   row and the request's state slot after the in-place update.
 
-Inputs are built as ``MambaMixer`` builds them: decode ``x`` / ``B`` / ``C`` / ``dt`` as views into
-one projection row per request (``dt`` / ``dt_bias`` / ``D`` / ``A`` expanded over the head dim,
-stride 0), prefill tensors contiguous, states in the run's state dtypes, ``A`` and ``dt_bias`` in
-fp32. Every call gets fresh copies of its inputs and state buffers: ``selective_state_update``
-updates ``state`` in place and, without speculative decoding, also stores into the first element
-of ``x`` (it passes ``x`` as the intermediate-state buffer with zero strides, and the kernel's
-``HAS_INT_STATE`` heuristic only asks ``is not None``; 0.17.1-0.19.2 and upstream main). In the
-mixer that ``x`` is a view into the conv output of the same step, read before the store and not
-read after; reusing one input tensor across calls would compare corrupted inputs instead.
+Inputs are built as ``MambaMixer`` builds them: at decode ``xBC`` and ``dt`` are views into one
+projection row per request, ``x`` / ``B`` / ``C`` views into the conv output, ``dt`` / ``dt_bias``
+/ ``D`` / ``A`` expanded over the head dim (stride 0); prefill tensors are contiguous; states are in
+the run's state dtypes, ``A`` (and the scan's ``dt_bias``) in fp32. Every call gets fresh copies
+of its inputs and state buffers: ``selective_state_update`` updates ``state`` in place and, without
+speculative decoding, also stores into the first element of ``x`` (it passes ``x`` as the
+intermediate-state buffer with zero strides, and the kernel's ``HAS_INT_STATE`` heuristic only
+asks ``is not None``; 0.17.1-0.19.2 and upstream main). In the mixer that ``x`` is a view into the
+same step's conv output, not read after the call; the interpreter runs programs in grid order, so
+the one program that reads that element has read it before any store. Row views of one ``x``
+reused across calls would compare a corrupted input instead.
 
 Runs inside :func:`~megatron_ext.cpu_backend.cpu_backend` with ``mamba=True`` (Triton's
 interpreter and ``MAMBA_DETERMINISTIC=1`` from process start; 0.19's launchers query
@@ -76,9 +78,8 @@ class MambaDtypes(NamedTuple):
     conv_states: torch.dtype = torch.float32
 
     def describe(self) -> str:
-        name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
-        return (f"{name(self.params)} activations, {name(self.ssm_states)} SSM states, "
-                f"{name(self.conv_states)} conv states")
+        return (f"{_name(self.params)} activations, {_name(self.ssm_states)} SSM states, "
+                f"{_name(self.conv_states)} conv states")
 
 
 class _Inputs:
