@@ -58,7 +58,8 @@ result = run_ab(load_case(sys.argv[1]), patched=sys.argv[2] == "patched")
 out = result.as_json()
 print("RESULT " + json.dumps({
     "failures": result.failures(), "bit_identical": result.bit_identical,
-    "invariant": result.invariance[0], "errors": [run.error for run in result.runs],
+    "invariant": result.invariance[0], "self_check": out["batch_invariance_check"],
+    "errors": [run.error for run in result.runs],
     "policies": {p.policy: {"blocks_matched": p.run.counters.blocks_matched,
                             "skipped": p.run.counters.prefill_tokens_skipped} for p in result.policies},
     "tokens": [[o["tokens"] for o in run["outputs"].values()] for run in [out["baseline"]] + [p["run"] for p in out["policies"]]],
@@ -76,6 +77,10 @@ print("RESULT " + json.dumps({
 def test_hybrid_prefix_caching_is_bit_identical_with_matches(case, min_blocks, skipped, restores):
     result = run_case(case)
     assert result["invariant"]
+    # ab's JSON: the self-check covered megatron's Mamba kernels too, in the case's dtypes
+    assert result["self_check"]["ok"] is True
+    assert result["self_check"]["detail"].endswith(
+        "float32 activations, float32 SSM states, float32 conv states) batch-invariant: 18 cases bit-identical")
     assert result["errors"] == [None, None, None]
     assert result["failures"] == []
     assert result["bit_identical"]

@@ -1,7 +1,8 @@
 """``megatron-ext ab`` on a hybrid case from a plain shell: no ``TRITON_INTERPRET`` /
 ``MAMBA_DETERMINISTIC`` in the environment (the command sets them before Triton is imported), the
-report read from a file (stdout and stderr together), and the bf16 Mamba-state rule (fault H2)
-said in the report and in the verdict.
+report read from a file (stdout and stderr together), its batch-invariance self-check covering
+megatron's Mamba kernels in the case's dtypes, and the bf16 Mamba-state rule (fault H2) said in the
+report and in the verdict.
 
 Each run is one ``ab`` of ``hybrid_tiny`` (three engine runs, 40-240 s on one busy core).
 """
@@ -42,6 +43,14 @@ def assert_reads_cleanly(text: str) -> list[str]:
     return lines
 
 
+def self_check_line(lines: list[str]) -> str:
+    """The report's batch-invariance line: passed, and covering megatron's Mamba kernels too."""
+    [line] = [line for line in lines if line.startswith("batch-invariance self-check: ")]
+    assert line.startswith("batch-invariance self-check: ok (batch-invariant with the mode on: "), line
+    assert "; Mamba kernels (prefill conv + chunk scan: " in line, line
+    return line
+
+
 @pytest.mark.slow
 def test_ab_hybrid_case_without_triton_variables_passes(tmp_path):
     code, text = run_logged(tmp_path, "ab", "--case", str(HYBRID_TINY), "--no-progress")
@@ -49,6 +58,8 @@ def test_ab_hybrid_case_without_triton_variables_passes(tmp_path):
     assert code == 0, text[-3000:]
     assert lines[-1].startswith("PASS: 2 requests bit-identical with prefix caching on and off"), lines[-1]
     assert not any(line.startswith("warning:") for line in lines)  # fp32 model, fp32 states
+    assert self_check_line(lines).endswith(
+        "; float32 activations, float32 SSM states, float32 conv states) batch-invariant: 18 cases bit-identical)")
 
 
 @pytest.mark.slow
@@ -68,6 +79,8 @@ def test_ab_bf16_hybrid_with_bf16_mamba_states_warns_and_names_the_fault(tmp_pat
     assert warnings == ["warning: Mamba states in bf16 (mamba_ssm_states_dtype unset: the model's dtype, "
                         "bf16) with prefix caching: requests that restore a cached Mamba state may differ "
                         "from caching off (fault H2, not patched); set mamba_ssm_states_dtype: fp32"]
+    assert self_check_line(lines).endswith(  # the Mamba kernels checked in the run's dtypes
+        "; bfloat16 activations, bfloat16 SSM states, bfloat16 conv states) batch-invariant: 18 cases bit-identical)")
     verdict = lines[lines.index("FAIL:"):]
     assert verdict[1:3] == ["  - ref_zero: 1 requests differ with caching on vs off: r1.s0",
                             "  - lru: 1 requests differ with caching on vs off: r1.s0"]

@@ -25,7 +25,7 @@ from .compare import RequestDiff, RequestOutput, compare_runs, top_n_miscounted
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .rounds import left_out, update_mismatches
 from .engine import build_engine, build_model, dist_timeout, ensure_model_parallel
-from .hybrid import MAMBA_STATE_DTYPE_RULE, bf16_mamba_states, mamba_state_dtype_warning
+from .hybrid import MAMBA_STATE_DTYPE_RULE, bf16_mamba_states, kernel_dtypes, mamba_state_dtype_warning
 from .step_loop import RunRecord, drive
 from .tokenizer import Tokenizer, check_vocab_fits, default_tokenizer
 from .trainer_logprobs import TrainerComparison, TrainerForward, TrainerLogProbs, check_supported
@@ -291,7 +291,7 @@ def check_device(device: str) -> None:
 
 
 @contextlib.contextmanager
-def backend(device: str, mamba: bool = False) -> Iterator[tuple[bool, str]]:
+def backend(device: str, mamba: bool = False, mamba_dtypes: Any = None) -> Iterator[tuple[bool, str]]:
     """The compute backend for a run; yields the batch-invariance self-check result.
 
     ``cpu``: megatron-ext's CPU backend with batch-invariant matmuls and its self-check, on one
@@ -299,7 +299,13 @@ def backend(device: str, mamba: bool = False) -> Iterator[tuple[bool, str]]:
     stall for milliseconds per call with two threads on a busy 2-core machine).
     ``cuda``: the GPU as it is; bit-identity then relies on the kernels the user configured.
     ``mamba``: the case is a hybrid model; on the CPU megatron's Mamba kernels then run under
-    Triton's interpreter (:func:`megatron_ext.cpu_backend.mamba_on_cpu`).
+    Triton's interpreter (:func:`megatron_ext.cpu_backend.mamba_on_cpu`) and the self-check
+    covers them too (:func:`megatron_ext.cpu_backend.mamba_check.mamba_self_check`, with
+    ``mamba_dtypes``, a :class:`~megatron_ext.cpu_backend.mamba_check.MambaDtypes`; None: fp32).
+
+    Yields:
+        ``(ok, detail)``: ``ok`` iff every check passed; ``detail`` the matmul check's line, then
+        (hybrid) the Mamba check's, joined by ``"; "``.
 
     Raises:
         DeviceUnavailableError: ``cuda`` asked for but no CUDA device is available.
@@ -316,9 +322,20 @@ def backend(device: str, mamba: bool = False) -> Iterator[tuple[bool, str]]:
     torch.set_num_threads(1)
     try:
         with cpu_backend(mamba=mamba):
-            yield self_check()
+            yield _combined_checks(self_check(), mamba, mamba_dtypes)
     finally:
         torch.set_num_threads(threads)
+
+
+def _combined_checks(matmuls: tuple[bool, str], mamba: bool, mamba_dtypes: Any) -> tuple[bool, str]:
+    """The matmul self-check's result, and for a hybrid model the Mamba kernels' with it (imported
+    only then: GPT-only runs never load megatron's Mamba kernels for it)."""
+    if not mamba:
+        return matmuls
+    from ..cpu_backend.mamba_check import MambaDtypes, mamba_self_check
+
+    ok, detail = mamba_self_check(mamba_dtypes or MambaDtypes())
+    return matmuls[0] and ok, f"{matmuls[1]}; {detail}"
 
 
 def run_ab(
@@ -407,7 +424,7 @@ def run_ab(
     dist_timeout()  # a bad MEGATRON_EXT_DIST_TIMEOUT_S is refused before megatron-core is imported
     patch_results = apply() if patched else revert()
     patches = [r.as_dict() for r in patch_results]
-    with backend(device, mamba=case.model.is_hybrid) as invariance:
+    with backend(device, mamba=case.model.is_hybrid, mamba_dtypes=kernel_dtypes(case.model)) as invariance:
         ensure_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
         model = build_model(case)
         checkpoint = None if load is None else load_checkpoint(model, load, case.name)

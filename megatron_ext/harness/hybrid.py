@@ -186,6 +186,20 @@ def bf16_mamba_states(spec: ModelSpec) -> bool:
     return (spec.mamba_ssm_states_dtype or spec.params_dtype) != "fp32"
 
 
+def kernel_dtypes(spec: ModelSpec) -> Any:
+    """The dtypes a run of ``spec`` gives megatron's Mamba kernels, for their batch-invariance
+    self-check: a :class:`~megatron_ext.cpu_backend.mamba_check.MambaDtypes` of the model's
+    ``params_dtype`` and the SSM / conv state dtypes (unset: the model's, as megatron-core's
+    ``MambaInferenceStateConfig.from_model`` takes them); None for a model without Mamba layers."""
+    if not spec.is_hybrid:
+        return None
+    from ..cpu_backend.mamba_check import MambaDtypes
+    from .engine import _DTYPES
+
+    return MambaDtypes(_DTYPES[spec.params_dtype], _DTYPES[spec.mamba_ssm_states_dtype or spec.params_dtype],
+                       _DTYPES[spec.mamba_conv_states_dtype or spec.params_dtype])
+
+
 def mamba_state_dtype_warning(spec: ModelSpec) -> Optional[str]:
     """One line for ``ab``'s report when ``spec`` breaks the dtype rule (:func:`bf16_mamba_states`),
     else None. Why: megatron-core's chunked scan carries the SSM state from chunk to chunk in fp32
