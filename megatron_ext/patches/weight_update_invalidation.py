@@ -310,14 +310,13 @@ class _SwapHook:
         self.original: Optional[Callable] = None
         self.wrapper: Optional[Callable] = None
         self._hooked = False
-
-    @property
-    def pending(self) -> bool:
-        """Installed but not wrapped yet (the refit module was half-imported at install)."""
-        return self.active and self.original is None
+        #: Installed but not wrapped yet (the refit module was half-imported at install). A plain
+        #: attribute, kept by the methods below: every prefix match reads it.
+        self.pending = False
 
     def install(self) -> None:
         self.active = True
+        self.pending = self.original is None
         module = sys.modules.get(REFIT_MODULE)
         if module is None and not self._hooked:
             import wrapt
@@ -338,10 +337,11 @@ class _SwapHook:
         self.original = function
         self.wrapper = wrapt.FunctionWrapper(function, _swap_wrapper)
         self._rebind(function, self.wrapper)
+        self.pending = False
         return True
 
     def uninstall(self) -> None:
-        self.active = False
+        self.active = self.pending = False
         if self.original is not None:
             # modules that imported the name after wrapping hold the wrapper too: scan, not a list
             self._rebind(self.wrapper, self.original)
