@@ -5,14 +5,16 @@ megatron's Mamba Triton kernels run under Triton's interpreter, which Triton rea
 imported; so the run happens in a fresh interpreter with ``TRITON_INTERPRET=1`` and
 ``MAMBA_DETERMINISTIC=1`` (the pytest process may have imported Triton already). That subprocess
 also counts megatron-core's Mamba state restores (``MambaSlotAllocator.restore_to_live``, where the
-release has it) by wrapping the class method. About 100 s on 2 busy cores (0.19.2).
+release has it) by wrapping the class method, and its Mamba snapshot commits (snapshots wanted,
+free slots, snapshots kept) and slot pools. About 100 s on 2 busy cores (0.19.2).
 
 Two cases: ``hybrid_tiny`` (Mamba chunk 16, a restore at the block-aligned end of a 48-token prompt)
 and ``hybrid_chunk256`` (fault H4: Mamba chunk 256; unpatched 0.17 / 0.18 snapshot r0's state at
 token 128, off the chunk grid, and r1 restores it: 128 tokens skipped, r1's log-probs differ; with
 the fix no snapshot there, nothing skipped, bit-identical). About 50 s of CPU time each (0.18.2).
 And fault H1's trigger, ``hybrid_clamp`` (the >= 2-token clamp and the Mamba restore, below), and
-fault H7's, ``hybrid_mid_restore`` (a mid-prompt snapshot restored 2 tokens before the prompt's end).
+fault H7's, ``hybrid_mid_restore`` (a mid-prompt snapshot restored 2 tokens before the prompt's end),
+and fault H6's, ``hybrid_slot_exhaustion`` (a Mamba slot pool held by live requests).
 """
 
 from __future__ import annotations
@@ -54,6 +56,27 @@ if allocator is not None and hasattr(allocator, "restore_to_live"):
         return result
     allocator.restore_to_live = counted
     restores["observable"] = True
+# Mamba snapshot commits (H6): per commit the snapshots wanted, the free slots before, the kept
+# ones (registered); and every slot allocator built, read at the end
+commits, allocators = [], []
+if allocator is not None:
+    init, collect, register = allocator.__init__, allocator._collect_commit_data, allocator.register_block_hashes_batch
+    @functools.wraps(init)
+    def recorded_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        allocators.append(self)
+    @functools.wraps(collect)  # patches fingerprint it: inspect reads the original
+    def counted_collect(self):
+        data = collect(self)
+        if data is not None:
+            commits.append({"wanted": len(data[0]) + len(data[2]), "free": self.free_count, "kept": 0})
+        return data
+    @functools.wraps(register)
+    def counted_register(self, block_ids, *args, **kwargs):
+        commits[-1]["kept"] = len(block_ids)
+        return register(self, block_ids, *args, **kwargs)
+    allocator.__init__, allocator._collect_commit_data = recorded_init, counted_collect
+    allocator.register_block_hashes_batch = counted_register
 result = run_ab(load_case(sys.argv[1]), patched=sys.argv[2] == "patched")
 out = result.as_json()
 print("RESULT " + json.dumps({
@@ -63,7 +86,10 @@ print("RESULT " + json.dumps({
     "policies": {p.policy: {"blocks_matched": p.run.counters.blocks_matched,
                             "skipped": p.run.counters.prefill_tokens_skipped} for p in result.policies},
     "tokens": [[o["tokens"] for o in run["outputs"].values()] for run in [out["baseline"]] + [p["run"] for p in out["policies"]]],
-    "restores": restores, "wall_s": result.wall_s}))
+    "restores": restores, "mamba_commits": commits,
+    "mamba_slots": [{"max": a.max_slots, "free": a.free_count, "mapped": int((a.slot_to_block >= 0).sum())}
+                    for a in allocators],
+    "wall_s": result.wall_s}))
 """
 
 
@@ -102,10 +128,11 @@ def within(value: int, bounds: tuple[int, int | None]) -> bool:
     return low <= value and (high is None or value <= high)
 
 
-def run_case(case: str, patched: bool = True) -> dict:
+def run_case(case: str, patched: bool = True, env: dict[str, str] | None = None) -> dict:
     """Run ``cases/<case>.yaml`` through ``run_ab`` in a fresh interpreter (Triton's interpreter
-    on); the subprocess's one JSON line. ``patched``: with megatron-ext's runtime patches (else none)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
+    on); the subprocess's one JSON line. ``patched``: with megatron-ext's runtime patches (else
+    none); ``env``: more environment variables (``MEGATRON_EXT_SKIP``)."""
+    env = {**os.environ, **(env or {}), "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
     proc = subprocess.run([sys.executable, "-c", _RUNNER, str(CASES / f"{case}.yaml"),
                            "patched" if patched else "unpatched"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -175,3 +202,61 @@ def test_continuation_chunk_skip_is_bit_identical():
     assert counts["blocks_matched"] >= 5, counts  # r1 matches r0's first blocks over two chunks
     if result["restores"]["observable"]:
         assert result["restores"]["failed"] == 0, result["restores"]
+
+
+#: hybrid_slot_exhaustion (fault H6): Mamba cache slots (0.19 reserves 4 of the budget's 5 for
+#: its per-step scratch), and per commit (step 0, 1, 2) the snapshots wanted, free slots, kept.
+SLOT_EXHAUSTION = {
+    "0.17": (5, [(4, 5, 4), (2, 1, 1), (1, 0, 0)]),
+    "0.18": (5, [(4, 5, 4), (2, 1, 1), (1, 0, 0)]),
+    "0.19": (1, [(4, 1, 1), (2, 0, 0), (1, 0, 0)]),
+}
+#: ... and released (MEGATRON_EXT_SKIP=mamba-slot-exhaustion): the step that raises, the commits
+#: up to it, and (free, mapped) slots after it: one slot taken from the free pool, mapped to no block.
+SLOT_EXHAUSTION_RELEASED = {
+    "0.17": (1, [(4, 5, 4), (2, 1, 0)], (0, 4)),
+    "0.18": (1, [(4, 5, 4), (2, 1, 0)], (0, 4)),
+    "0.19": (0, [(4, 1, 0)], (0, 0)),
+}
+
+
+def commit_counts(result: dict) -> list[tuple[int, int, int]]:
+    return [(c["wanted"], c["free"], c["kept"]) for c in result["mamba_commits"]]
+
+
+@pytest.mark.slow
+def test_exhausted_mamba_slot_pool_drops_snapshots_and_leaks_nothing():
+    """Fault H6: one-block prompts want more Mamba snapshots than the slots not held by live
+    requests (step 0 on 0.19, step 1 on 0.17 / 0.18). Patched, the commit keeps what fits, r6
+    restores the kept snapshot of r0 and caching on vs off is bit-identical; at the end every slot
+    is free again (REF_ZERO released each block). With ``MEGATRON_EXT_TEST_UNPATCHED=1`` the step
+    raises "No evictable Mamba cache slots available" on 0.17.x-0.19.x. About 50-70 s on one
+    core."""
+    result = run_case("hybrid_slot_exhaustion", patched=not UNPATCHED)
+    counts, baseline = bit_identical_single_policy(result, "ref_zero")
+    assert [len(tokens) for tokens in baseline] == [4, 4, 4, 4, 4, 4, 2]
+    assert counts == {"blocks_matched": 1, "skipped": 16}, counts  # r6 on r0's block
+    if result["restores"]["observable"]:
+        assert result["restores"] == {"ok": 1, "failed": 0, "observable": True}, result["restores"]
+    slots, commits = SLOT_EXHAUSTION[mcore.release_series(mcore.installed_version())]
+    assert commit_counts(result) == commits
+    assert result["mamba_slots"] == [{"max": slots, "free": slots, "mapped": 0}]  # none leaked
+
+
+@pytest.mark.slow
+def test_exhausted_mamba_slot_pool_fails_the_step_without_the_fix():
+    """The same case with ``MEGATRON_EXT_SKIP=mamba-slot-exhaustion`` (or unpatched): the released
+    ``allocate_slots_batch`` takes the one free slot, ``_evict_lru_slots_batch`` finds nothing
+    evictable and raises out of the engine step; that slot is neither free nor mapped. Shows the
+    fault on the installed release; passes patched and unpatched. About 30-40 s on one core."""
+    result = run_case("hybrid_slot_exhaustion", patched=not UNPATCHED,
+                      env={"MEGATRON_EXT_SKIP": "mamba-slot-exhaustion"})
+    step, commits, (free, mapped) = SLOT_EXHAUSTION_RELEASED[mcore.release_series(mcore.installed_version())]
+    baseline_error, error = result["errors"]
+    assert baseline_error is None
+    assert error.startswith(f"step {step}: RuntimeError: No evictable Mamba cache slots available "
+                            "(in _evict_lru_slots_batch, "), error
+    assert commit_counts(result) == commits
+    slots = SLOT_EXHAUSTION[mcore.release_series(mcore.installed_version())][0]
+    assert result["mamba_slots"] == [{"max": slots, "free": free, "mapped": mapped}]
+    assert free + mapped == slots - 1  # the leaked slot
