@@ -60,8 +60,12 @@ _V019 = {"DynamicInferenceEngine.schedule_chunked_prefill": "def712feb96b9c21",
 FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V017, "0.18.2": _V017,  # 0.18's is 0.17's
                 "0.19.0": _V019, "0.19.2": _V019}
 
-#: ``schedule_chunked_prefill`` after the source patches of ``patches/`` (--source-patched).
-SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {}
+#: ``schedule_chunked_prefill`` after the source patches of ``patches/`` (--source-patched; 0.17's
+#: and 0.18's series give one code, with H5's change of the same function first).
+_SOURCE_V017 = {"DynamicInferenceEngine.schedule_chunked_prefill": "0984fb572bbab1f8"}
+_SOURCE_V019 = {"DynamicInferenceEngine.schedule_chunked_prefill": "7ef67b26b98be578"}
+SOURCE_PATCHED_FINGERPRINTS = {"0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "0.18.0": _SOURCE_V017,
+                               "0.18.2": _SOURCE_V017, "0.19.0": _SOURCE_V019, "0.19.2": _SOURCE_V019}
 
 
 def aligned_chunk_end(start: int, end: int, prompt_end: int, mamba_chunk: int) -> int:
