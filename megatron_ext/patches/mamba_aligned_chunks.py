@@ -147,8 +147,8 @@ class _AlignedBudget:
 
 def _schedule_wrapper(wrapped: Callable, engine: Any, args: tuple, kwargs: dict) -> Any:
     """``schedule_chunked_prefill()`` with a hybrid context's partial chunks on the Mamba grid
-    (module docstring); unchanged for a GPT model or a ``max_tokens`` that holds no Mamba chunk
-    and one more token (the engine could never admit a long prompt)."""
+    (module docstring); unchanged for a GPT model, and when ``max_tokens`` is at most one Mamba
+    chunk (no step could hold a whole Mamba chunk plus a token; upstream asserts against it)."""
     context = engine.context
     if not context.is_hybrid_model or context.max_tokens <= context.mamba_chunk_size:
         return wrapped(*args, **kwargs)
