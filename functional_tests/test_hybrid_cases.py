@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from functional_tests.conftest import SERIES
 from megatron_ext.cpu_backend.mamba import TRITON_CPU_ENV
 
 UNPATCHED = os.environ.get("MEGATRON_EXT_TEST_UNPATCHED", "") == "1"
@@ -83,13 +84,13 @@ def test_hybrid_prefix(tmp_path):
         assert run["audit"]["kv_writes_redirected"] == 32
 
 
-@pytest.mark.slow
 #: Step of r2's restore in ``hybrid_chunked``: 0.17 / 0.18 spend the budget on the span (skip
 #: included), so r1's first chunk ends at 48 (on the Mamba grid, fault H9's fix), its rest fills step 2
 #: and r2, with 10 tokens left there and no whole Mamba chunk, waits for step 3.
 R2_RESTORE_STEP = {"0.17": 3, "0.18": 3, "0.19": 2}
 
 
+@pytest.mark.slow
 def test_hybrid_chunked(tmp_path):
     """r1 (101 tokens) and r2 (63) each restore r0's one-block prompt end at 16 on their first
     prefill chunk and prefill the rest in chunks of at most 64 tokens."""
