@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from functional_tests.conftest import SERIES
 from megatron_ext.cpu_backend.mamba import TRITON_CPU_ENV
 
 UNPATCHED = os.environ.get("MEGATRON_EXT_TEST_UNPATCHED", "") == "1"
@@ -83,6 +84,12 @@ def test_hybrid_prefix(tmp_path):
         assert run["audit"]["kv_writes_redirected"] == 32
 
 
+#: Step of r2's restore in ``hybrid_chunked``: 0.17 / 0.18 spend the budget on the span (skip
+#: included), so r1's first chunk ends at 48 (on the Mamba grid, fault H9's fix), its rest fills step 2
+#: and r2, with 10 tokens left there and no whole Mamba chunk, waits for step 3.
+R2_RESTORE_STEP = {"0.17": 3, "0.18": 3, "0.19": 2}
+
+
 @pytest.mark.slow
 def test_hybrid_chunked(tmp_path):
     """r1 (101 tokens) and r2 (63) each restore r0's one-block prompt end at 16 on their first
@@ -92,6 +99,6 @@ def test_hybrid_chunked(tmp_path):
     for policy in ("ref_zero", "lru"):
         run = runs(report)[policy]
         assert (run["counters"]["blocks_matched"], run["counters"]["prefill_tokens_skipped"]) == (2, 32)
-        assert restores(run) == [(1, 1, 16, True), (2, 2, 16, True)]
+        assert restores(run) == [(1, 1, 16, True), (R2_RESTORE_STEP[SERIES], 2, 16, True)]
         assert len({r["block"] for r in run["audit"]["mamba_restore_log"]}) == 1  # r0's block
         assert run["steps"] == runs(report)["off"]["steps"] == 5

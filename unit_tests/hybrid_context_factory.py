@@ -9,6 +9,7 @@ that a restore can be checked bit for bit.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import types
 from typing import Any, Iterator
@@ -25,10 +26,11 @@ MAMBA_CHUNK = 16  # the Mamba SSM chunk size: snapshots at block boundaries are 
 
 
 @contextlib.contextmanager
-def hybrid_prefix_caching_context(policy: str = "REF_ZERO", max_tokens: int = 256) -> Iterator[Any]:
+def hybrid_prefix_caching_context(policy: str = "REF_ZERO", max_tokens: int = 256,
+                                  prefix_caching: bool = True) -> Iterator[Any]:
     """Yield a hybrid DynamicInferenceContext (layers ``M*``: one Mamba, one attention; fp32; block
-    size 16, Mamba chunk 16) with prefix caching, a Mamba prefix cache and chunked prefill on,
-    inside the CPU stand-ins."""
+    size 16, Mamba chunk 16) with prefix caching, a Mamba prefix cache and chunked prefill on
+    (``prefix_caching=False``: chunked prefill only), inside the CPU stand-ins."""
     config = mcore.import_module("megatron.core.inference.config")
     transformer = mcore.import_module("megatron.core.transformer.transformer_config")
     dynamic_context = mcore.import_module(mcore.DYNAMIC_CONTEXT_MODULE)
@@ -45,9 +47,9 @@ def hybrid_prefix_caching_context(policy: str = "REF_ZERO", max_tokens: int = 25
         )
         inference = config.InferenceConfig(
             block_size_tokens=BLOCK, buffer_size_gb=0.01, max_requests=8, max_tokens=max_tokens,
-            max_sequence_length=256, enable_prefix_caching=True, enable_chunked_prefill=True,
+            max_sequence_length=256, enable_prefix_caching=prefix_caching, enable_chunked_prefill=True,
             prefix_caching_eviction_policy=getattr(config.PrefixCachingEvictionPolicy, policy),
-            mamba_inference_state_config=mamba, prefix_caching_mamba_gb=0.001,
+            mamba_inference_state_config=mamba, **({"prefix_caching_mamba_gb": 0.001} if prefix_caching else {}),
         )
         yield dynamic_context.DynamicInferenceContext(model_config, inference)
 
@@ -113,3 +115,25 @@ def live_mamba_values(context: Any, row: int) -> set[float]:
     conv = context.mamba_conv_states[:, index]
     ssm = context.mamba_ssm_states[:, index]
     return set(torch.cat([conv.flatten(), ssm.flatten()]).tolist())
+
+
+def scheduled_chunks(context: Any, requests: list[Any]) -> list[tuple[int, int]]:
+    """Run the engine's ``DynamicInferenceEngine.schedule_chunked_prefill`` (as installed: released
+    or patched) once, with ``requests`` waiting in that order, on an engine stand-in around the real
+    ``context`` (the scheduler's own helpers bound to it; no model, no event loop). Returns
+    ``(request_id, prompt tokens admitted)`` per request admitted (a chunk, or the whole rest)."""
+    engine_class = mcore.import_module(mcore.DYNAMIC_ENGINE_MODULE).DynamicInferenceEngine
+    by_id = {req.request_id: req for req in requests}
+    before = {req.request_id: len(req.remaining_prompt_tokens) for req in requests}
+    engine = types.SimpleNamespace(
+        context=context, waiting_request_ids=collections.deque(by_id), get_request=by_id.__getitem__,
+        _loop=types.SimpleNamespace(call_soon_threadsafe=lambda *args: None, create_task=None),
+        _notify_cond_for_new_request=lambda: None, _prefix_coordination_waits=0,
+        _cg_admission_gating_active=lambda: False,
+    )
+    for helper in ("_can_schedule_chunked_prefill", "_find_mamba_match_count"):  # 0.19 / 0.17-0.18
+        if hasattr(engine_class, helper):
+            setattr(engine, helper, getattr(engine_class, helper).__get__(engine))
+    engine_class.schedule_chunked_prefill(engine)
+    return [(rid, before[rid] - len(by_id[rid].remaining_prompt_tokens)) for rid in by_id
+            if len(by_id[rid].remaining_prompt_tokens) != before[rid]]

@@ -39,12 +39,12 @@ EXPECTED_STATUS = {
              "mamba-slot-exhaustion": "applicable",
              "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "not needed",
              "mamba-conv-carry": "applicable",
-             "mamba-continuation-skip": "applicable"},
+             "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable"},
     "0.18": {**_FAULTS_017_018, "mamba-chunk-size": "not needed", "mamba-snapshot-offsets": "applicable",
              "mamba-slot-exhaustion": "applicable",
              "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "applicable",
              "mamba-conv-carry": "applicable",
-             "mamba-continuation-skip": "applicable"},
+             "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable"},
     "0.19": {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
@@ -59,6 +59,7 @@ EXPECTED_STATUS = {
         "mamba-clamp-restore": "applicable",
         "mamba-conv-carry": "applicable",
         "mamba-continuation-skip": "applicable",
+        "mamba-aligned-chunks": "applicable",
     },
 }
 TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH)
@@ -245,7 +246,8 @@ RELY_ON_PREFIX_MATCH = {"0.17": ["lru-pin-before-allocate", "mamba-continuation-
                                  "matched-block-writes"],
                         "0.18": ["lru-pin-before-allocate", "mamba-clamp-restore", "mamba-continuation-skip",
                                  "mamba-match-in-chunk", "matched-block-writes"],
-                        "0.19": ["mamba-clamp-restore", "mamba-continuation-skip", "matched-block-writes"]}
+                        "0.19": ["mamba-aligned-chunks", "mamba-clamp-restore", "mamba-continuation-skip",
+                                 "matched-block-writes"]}
 #: The wrappers on _deregister_blocks, outermost first.
 DEREGISTER_STACK = {"0.17": ["deregister-own-hash", "lru-leaf-first-eviction"],
                     "0.18": ["deregister-own-hash", "lru-leaf-first-eviction"],
@@ -352,12 +354,13 @@ def test_environment_variable_applies_the_engine_patch_once_the_engine_is_import
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["matched-block-writes", "top-n-prefill-chunks"]
     lines = [line for line in done.stderr.splitlines() if line.startswith("megatron-ext: ")]
-    assert len(lines) == len(ALL_PATCHES) + 1  # each patch once, the engine's twice
-    engine = [line for line in lines if line.startswith("megatron-ext: top-n-prefill-chunks: ")]
-    assert len(engine) == 2
-    assert engine[0].startswith("megatron-ext: top-n-prefill-chunks: not applied (megatron-core is being")
-    assert engine[1].startswith("megatron-ext: top-n-prefill-chunks: applied (")
-    assert lines[-1] == engine[1]  # once the engine module is imported, after every other patch
+    assert len(lines) == len(ALL_PATCHES) + 2  # each patch once, the engine's two twice
+    for name in ("top-n-prefill-chunks", "mamba-aligned-chunks"):
+        engine = [line for line in lines if line.startswith(f"megatron-ext: {name}: ")]
+        assert len(engine) == 2
+        assert engine[0].startswith(f"megatron-ext: {name}: not applied (megatron-core is being")
+        assert engine[1].startswith(f"megatron-ext: {name}: applied (")
+        assert engine[1] in lines[-2:]  # once the engine module is imported, after every other patch
 
 
 HEAVY_MODULES_LOADED = (  # wrapt: its import alone was 0.09 s, 6x a bare Python start-up

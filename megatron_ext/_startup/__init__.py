@@ -5,8 +5,8 @@ It imports neither torch nor megatron-core nor wrapt at start-up: it registers a
 are applied the moment megatron-core's dynamic inference context is imported (at once if it is
 imported already). That module imports the KV block allocator module itself, so both targets exist
 by then. wrapt, torch and the patches load inside the hook, with megatron-core. The
-engine module usually imports the context half-way through its own import: the patch on the
-engine (``top-n-prefill-chunks``) then waits, and a second hook applies it when the engine module
+engine module usually imports the context half-way through its own import: the patches on the
+engine (``top-n-prefill-chunks``, ``mamba-aligned-chunks``) then wait, and a second hook applies it when the engine module
 is imported (likewise ``mamba-conv-carry`` and the Mamba mixer module); each patch's line is
 printed again only when its state changed.
 """

@@ -6,6 +6,7 @@ from .lru_leaf_first_eviction import LeafFirstEvictionPatch
 from .lru_pin_before_allocate import PinBeforeAllocatePatch
 from .lru_register_once import RegisterOncePatch
 from .lru_resume_evictable import ResumeEvictablePatch
+from .mamba_aligned_chunks import MambaAlignedChunksPatch
 from .mamba_chunk_size import MambaChunkSizePatch
 from .mamba_clamp_restore import MambaClampRestorePatch
 from .mamba_continuation_skip import MambaContinuationSkipPatch
@@ -36,4 +37,5 @@ ALL_PATCHES: tuple[Patch, ...] = (
     MambaClampRestorePatch(),
     MambaConvCarryPatch(),
     MambaContinuationSkipPatch(),
+    MambaAlignedChunksPatch(),
 )
