@@ -17,6 +17,7 @@ import enum
 import functools
 import hashlib
 import inspect
+import sys
 import textwrap
 import types
 from abc import ABC, abstractmethod
@@ -227,6 +228,23 @@ def installed_patches(target: "Target") -> list[str]:
     return names
 
 
+def defined(target: Target) -> bool:
+    """Whether the target's class already exists, without importing anything."""
+    module = sys.modules.get(target.module)
+    return module is not None and target.class_name in vars(module)
+
+
+def megatron_importing() -> bool:
+    """Whether a megatron-core module is being imported right now.
+
+    ``MEGATRON_EXT_AUTO`` applies the patches from a post-import hook of the dynamic context,
+    which usually runs inside the import of the engine module: importing the engine module or
+    the controller module from there fails on megatron-core's circular imports.
+    """
+    return any(name.startswith("megatron.") and getattr(getattr(module, "__spec__", None), "_initializing", False)
+               for name, module in list(sys.modules.items()))
+
+
 def fingerprint(function: Callable) -> str:
     """SHA-256 (first 16 hex digits) of a function's dedented source, trailing blanks stripped.
 
@@ -253,6 +271,11 @@ class Patch(ABC):
         source_patched_fingerprints: release -> {``Class.method``: fingerprint} of those functions
             after ``patches/`` (``scripts/record_fingerprints.py --source-patched``).
         fault_evidence: what :meth:`needed` says of code that is not source-patched.
+        waits_for_import: targets in modules megatron-core may still be importing when
+            ``MEGATRON_EXT_AUTO`` applies the patches (its hook on the dynamic context runs inside
+            the engine module's import): while one's class is not defined yet, :meth:`plan` says
+            NOT_APPLIED and imports nothing (megatron-core's imports are circular); the start-up
+            hook applies the patch again once that module has been imported.
     """
 
     name: ClassVar[str] = ""
@@ -260,6 +283,7 @@ class Patch(ABC):
     source_patched_targets: ClassVar[tuple[Target, ...]] = ()
     source_patched_fingerprints: ClassVar[dict[str, dict[str, str]]] = {}
     fault_evidence: ClassVar[str] = ""
+    waits_for_import: ClassVar[tuple[Target, ...]] = ()
 
     def __init__(self) -> None:
         self._saved: dict[Target, Any] = {}
@@ -333,8 +357,21 @@ class Patch(ABC):
                 )
         return None
 
+    def import_pending(self) -> list[str]:
+        """Modules of :attr:`waits_for_import` megatron-core is importing and has not defined the
+        target class of yet (empty when nothing is pending). Imports nothing."""
+        if not self.waits_for_import or not megatron_importing():
+            return []
+        return sorted({t.module for t in self.waits_for_import if not defined(t)})
+
     def plan(self, version: str, force: bool) -> PatchResult:
-        """Decide without changing anything: APPLICABLE, APPLIED, NOT_NEEDED or REFUSED."""
+        """Decide without changing anything: APPLICABLE, APPLIED, NOT_NEEDED or REFUSED; NOT_APPLIED
+        while a module of :attr:`waits_for_import` is mid-import."""
+        pending = self.import_pending()
+        if pending:
+            loaded = "is not loaded yet" if len(pending) == 1 else "are not loaded yet"
+            return self.result(PatchState.NOT_APPLIED, f"megatron-core is being imported and {' and '.join(pending)} "
+                               f"{loaded}; MEGATRON_EXT_AUTO applies this patch then")
         if mcore.base_release(version) not in mcore.SUPPORTED_RELEASES and not force:
             # before touching the targets: an unsupported release may not even have them
             return self.check(version)  # refusal naming the supported releases

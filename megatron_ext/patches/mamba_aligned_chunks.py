@@ -40,8 +40,7 @@ from typing import Any, Callable, Optional
 
 from .. import mcore
 from ..mcore import DYNAMIC_CONTEXT_MODULE, DYNAMIC_ENGINE_MODULE
-from ..patching import Patch, PatchResult, PatchState, ShadowedMethod, Target
-from .top_n_prefill_chunks import _defined, megatron_importing
+from ..patching import Patch, ShadowedMethod, Target
 
 SCHEDULE = Target(DYNAMIC_ENGINE_MODULE, "DynamicInferenceEngine.schedule_chunked_prefill")
 # Relied on: the engine calls check_availability for the queue head before it reads the budget,
@@ -169,6 +168,7 @@ class MambaAlignedChunksPatch(Patch):
     source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     fault_evidence = ("schedule_chunked_prefill cuts a prompt at the step's token budget, off the Mamba "
                       "chunk grid of a hybrid model's chunked scan")
+    waits_for_import = (SCHEDULE,)
 
     def wrappers(self) -> dict[Target, Callable]:
         return {SCHEDULE: _schedule_wrapper}
@@ -177,12 +177,3 @@ class MambaAlignedChunksPatch(Patch):
         if _skips_outside_budget():
             return (SCHEDULE, CHECK_AVAILABILITY, CAN_SCHEDULE, COMPUTE_PREFIX_MATCH)
         return (SCHEDULE, CHECK_AVAILABILITY)
-
-    def plan(self, version: str, force: bool) -> PatchResult:
-        """As :meth:`Patch.plan`, but NOT_APPLIED (nothing imported) while megatron-core is
-        mid-import and the engine class is not defined yet (``MEGATRON_EXT_AUTO``'s hook on the
-        context); the start-up hook applies it once the engine module has been imported."""
-        if megatron_importing() and not _defined(SCHEDULE):
-            return self.result(PatchState.NOT_APPLIED, "megatron-core is being imported and its dynamic "
-                               "engine is not loaded yet; MEGATRON_EXT_AUTO applies this patch once it is")
-        return super().plan(version, force)

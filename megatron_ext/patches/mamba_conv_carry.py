@@ -29,8 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..patching import Patch, PatchResult, PatchState, Target
-from .top_n_prefill_chunks import _defined, megatron_importing
+from ..patching import Patch, PatchResult, Target
 
 MAMBA_MIXER_MODULE = "megatron.core.ssm.mamba_mixer"
 SSM_PREFILL = Target(MAMBA_MIXER_MODULE, "MambaMixer._ssm_prefill")
@@ -126,6 +125,7 @@ class MambaConvCarryPatch(Patch):
     fingerprints = FINGERPRINTS
     source_patched_targets = (SSM_PREFILL,)
     source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
+    waits_for_import = (SSM_PREFILL,)
 
     def wrappers(self) -> dict[Target, Callable]:
         return {SSM_PREFILL: _ssm_prefill_wrapper}
@@ -133,16 +133,12 @@ class MambaConvCarryPatch(Patch):
     def plan(self, version: str, force: bool) -> PatchResult:
         """As :meth:`Patch.plan`, after importing the mixer module the way the CPU backend can
         still use it (a plain import without ``mamba_ssm``'s CUDA extensions would bind its
-        fallbacks for good: :func:`megatron_ext.cpu_backend.mamba.import_mamba_mixer`). While
-        megatron-core is mid-import (``MEGATRON_EXT_AUTO``'s hook on the context) and the mixer
-        class is not defined yet, NOT_APPLIED and nothing imported (megatron-core's imports are
-        circular); the start-up hook applies it once the mixer module has been imported."""
-        if megatron_importing() and not _defined(SSM_PREFILL):
-            return self.result(PatchState.NOT_APPLIED, "megatron-core is being imported and its Mamba mixer "
-                               "is not loaded yet; MEGATRON_EXT_AUTO applies this patch once it is")
-        from ..cpu_backend.mamba import import_mamba_mixer
+        fallbacks for good: :func:`megatron_ext.cpu_backend.mamba.import_mamba_mixer`), unless
+        the mixer module is mid-import (:attr:`~megatron_ext.patching.Patch.waits_for_import`)."""
+        if not self.import_pending():
+            from ..cpu_backend.mamba import import_mamba_mixer
 
-        import_mamba_mixer()
+            import_mamba_mixer()
         return super().plan(version, force)
 
     def needed(self) -> tuple[bool, str]:

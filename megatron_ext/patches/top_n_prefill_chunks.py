@@ -37,12 +37,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..mcore import DYNAMIC_ENGINE_MODULE, TEXT_GENERATION_CONTROLLER_MODULE
-from ..patching import Patch, PatchResult, PatchState, Target
+from ..patching import Patch, Target
 
 POST_PROCESS = Target(DYNAMIC_ENGINE_MODULE, "DynamicInferenceEngine.post_process_requests")
 GET_REQUEST = Target(DYNAMIC_ENGINE_MODULE, "DynamicInferenceEngine.get_request")
@@ -156,23 +155,6 @@ def _argument(wrapped: Callable, args: tuple, kwargs: dict, name: str) -> Any:
     return args[index] if index < len(args) else None
 
 
-def _defined(target: Target) -> bool:
-    """Whether the target's class already exists, without importing anything."""
-    module = sys.modules.get(target.module)
-    return module is not None and target.class_name in vars(module)
-
-
-def megatron_importing() -> bool:
-    """Whether a megatron-core module is being imported right now.
-
-    ``MEGATRON_EXT_AUTO`` applies the patches from a post-import hook of the dynamic context,
-    which usually runs inside the import of the engine module: importing the engine module or
-    the controller module from there fails on megatron-core's circular imports.
-    """
-    return any(name.startswith("megatron.") and getattr(getattr(module, "__spec__", None), "_initializing", False)
-               for name, module in list(sys.modules.items()))
-
-
 def _post_process_wrapper(wrapped: Callable, engine: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper around ``post_process_requests``; no work in steps without top-n."""
     top_n = _argument(wrapped, args, kwargs, "top_n_logprobs")
@@ -195,6 +177,7 @@ class TopNPrefillChunksPatch(Patch):
     source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     fault_evidence = ("no megatron-core release up to 0.19.2 (nor Megatron-LM main of 2026-08-22) "
                       "files top-n log-probs by position")
+    waits_for_import = (POST_PROCESS, GET_REQUEST, CALCULATE_TOP_N)  # the engine and the controller
 
     def wrappers(self) -> dict[Target, Callable]:
         return {POST_PROCESS: _post_process_wrapper}
@@ -202,11 +185,3 @@ class TopNPrefillChunksPatch(Patch):
     def checked_functions(self) -> tuple[Target, ...]:
         return (POST_PROCESS, GET_REQUEST, CALCULATE_TOP_N)
 
-    def plan(self, version: str, force: bool) -> PatchResult:
-        """As :meth:`Patch.plan`, but NOT_APPLIED (nothing imported) while megatron-core is
-        mid-import and the engine or controller class is not defined yet; the start-up hook
-        applies it again when the engine module has been imported."""
-        if megatron_importing() and not all(_defined(t) for t in self.checked_functions()):
-            return self.result(PatchState.NOT_APPLIED, "megatron-core is being imported and its dynamic "
-                               "engine is not loaded yet; MEGATRON_EXT_AUTO applies this patch once it is")
-        return super().plan(version, force)
