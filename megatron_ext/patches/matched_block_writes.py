@@ -28,8 +28,8 @@ from ..patching import Guarded, Patch, Target
 ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
 
-#: Attribute kept on a context whose ``token_to_block_idx`` lives on the CPU (0.18+ keep the
-#: bookkeeping there): ``(tensor, NumPy view of it)``, so a redirect is a NumPy slice fill.
+#: Attribute kept on a context: ``(token_to_block_idx, what a redirect writes through)``, a NumPy
+#: view where the tensor lives on the CPU (0.18+ keep the bookkeeping there), else the tensor.
 CPU_VIEW_ATTR = "_megatron_ext_token_to_block_idx_view"
 
 #: Attribute kept on each request: the token-position ranges ``(start, stop)`` of the blocks it got
@@ -111,9 +111,7 @@ def _token_to_block_idx(context: Any) -> Any:
     cached = context.__dict__.get(CPU_VIEW_ATTR)
     if cached is not None and cached[0] is tensor:
         return cached[1]
-    if tensor.device.type != "cpu":
-        return tensor
-    view = tensor.numpy()
+    view = tensor.numpy() if tensor.device.type == "cpu" else tensor  # GPU: torch's own indexing
     context.__dict__[CPU_VIEW_ATTR] = (tensor, view)
     return view
 
