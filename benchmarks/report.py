@@ -25,6 +25,23 @@ def _r(ratio: dict[str, Any], clock: str, spread_key: str) -> str:
     return f"{ratio[clock]:.2f}"
 
 
+def _p(ratio: dict[str, Any], clock: str) -> str:
+    """The paired estimate of a ratio and its ~95% interval (:func:`benchmarks.stats.paired_summary`)."""
+    paired = ratio[f"paired_{clock}"]
+    return f"{paired['ratio']:.3f} ({paired['ratio_lo']:.3f}–{paired['ratio_hi']:.3f})"
+
+
+def _d(ratio: dict[str, Any], clock: str) -> str:
+    """The paired extra µs per call and its ~95% interval."""
+    paired = ratio[f"paired_{clock}"]
+    return f"{paired['diff']:+.1f} ({paired['diff_lo']:+.1f}–{paired['diff_hi']:+.1f})"
+
+
+def paired_ratio(ratio: dict[str, Any], clock: str) -> float:
+    """What the paired sections' verdicts use: ``1 + median per-round difference / median``."""
+    return ratio[f"paired_{clock}"]["ratio"]
+
+
 def _v(value: str) -> str:
     colour = {"PASS": "green", "FAIL": "red"}.get(value, "yellow")
     return f"[bold {colour}]{value}[/]"
@@ -77,35 +94,36 @@ def release_tables(section: dict[str, Any]) -> list[Table]:
 def add_request_table(section: dict[str, Any]) -> Table:
     clock = section["clock"]
     key = f"{clock}_us"
+    other = "wall" if clock == "cpu" else "cpu"
     table = Table(title=f"2. Admission path: DynamicInferenceContext.add_request, µs per call "
                         f"({CLOCK_NAMES[clock]}), median [IQR]",
                   caption=f"patched = every runtime patch the release needs, on every function they wrap "
                           f"(add_request and what it calls); {section['rounds']} rounds x "
                           f"{section['batch']} calls per variant; the context is reset and a primer "
-                          "request added (untimed) before each call. Target: patched/unpatched <= "
-                          f"{section['target']:.2f}, <= {section['target_no_match']:.2f} where nothing "
-                          "matches; LRU on a release that gets upstream's LRU fixes backported (the "
-                          "prefix forest kept on every registration) is judged by patched/upstream "
-                          "(upstream's own code doing the same, in its own worker).",
+                          "request added (untimed) before each call. extra µs and ratios: paired "
+                          "estimates, the median of the per-round differences of batch medians (~95% "
+                          "interval, sign test), ratio = 1 + extra / median; verdicts use them. Target: "
+                          f"patched/unpatched <= {section['target']:.2f}, <= {section['target_no_match']:.2f} "
+                          "where nothing matches; LRU on a release that gets upstream's LRU fixes "
+                          "backported (the prefix forest kept on every registration) is judged by "
+                          "patched/upstream (upstream's own code doing the same, in its own worker).",
                   caption_justify="left")
     for name in ("release", "policy", "prompt", "match", "matched blocks", "tokens added",
-                 "to dummy (patched)", "unpatched", "patched", "upstream", "overhead µs",
-                 "patched/unpatched", "patched/upstream", "wall ratio", "verdict"):
+                 "to dummy (patched)", "unpatched", "patched", "upstream", "extra µs (judged)",
+                 "patched/unpatched", "patched/upstream", f"{other} ratio", "verdict"):
         table.add_column(name, justify="left" if name in ("release", "policy", "match") else "right")
     for row in section["rows"]:
         v = row["variants"]
         out = row["outcomes"]["patched"]
-        ratio = row["ratios"]["patched/unpatched"]
         upstream = row["ratios"].get("patched/upstream")
         judged = row["ratios"][row.get("judged", "patched/unpatched")]
         table.add_row(
             row["release"], row["policy"], f"{row['prompt_tokens']:,}", row["match"],
             str(out["blocks_matched"]), str(out["tokens_added"]), str(out["tokens_to_dummy_block"]),
             _t(v["unpatched"][key]), _t(v["patched"][key]),
-            _t(v["upstream"][key]) if "upstream" in v else "-", f"{row['overhead_us']:+.0f}",
-            _r(ratio, clock, f"rounds_{clock}"),
-            _r(upstream, clock, f"rounds_{clock}") if upstream else "-",
-            f"{judged['wall' if clock == 'cpu' else 'cpu']:.2f}", _v(row["verdict"]),
+            _t(v["upstream"][key]) if "upstream" in v else "-", _d(judged, clock),
+            _p(row["ratios"]["patched/unpatched"], clock), _p(upstream, clock) if upstream else "-",
+            f"{paired_ratio(judged, other):.3f}", _v(row["verdict"]),
         )
     return table
 
@@ -195,7 +213,7 @@ def weight_update_tables(section: dict[str, Any]) -> list[Table]:
                 f"Target: fault8/unpatched <= {targets['wu_add_request']:.2f}.",
         caption_justify="left")
     for name in ("release", "prompt", "match", "matched blocks", "same outcome", "unpatched", "fault8",
-                 "overhead µs: fault8 / pass-through", "fault8/unpatched (rounds IQR)", "pass-through/unpatched",
+                 "overhead µs: fault8 / pass-through", "fault8/unpatched (paired, ~95%)", "pass-through/unpatched",
                  "wall ratio", "verdict"):
         add_table.add_column(name, justify="left" if name in ("release", "match") else "right")
     for row in add["rows"]:
@@ -207,8 +225,8 @@ def weight_update_tables(section: dict[str, Any]) -> list[Table]:
             "yes" if row["same_outcome"] else "[red]NO[/]",
             _t(v["unpatched"][key]), _t(v["fault8"][key]),
             f"{row['overhead_us']:+.1f} / {row['passthrough_overhead_us']:+.1f}",
-            _r(ratio, clock, f"rounds_{clock}"), f"{row['ratios']['passthrough8/unpatched'][clock]:.2f}",
-            f"{ratio['wall' if clock == 'cpu' else 'cpu']:.2f}",
+            _p(ratio, clock), f"{paired_ratio(row['ratios']['passthrough8/unpatched'], clock):.3f}",
+            f"{paired_ratio(ratio, 'wall' if clock == 'cpu' else 'cpu'):.3f}",
             _v(row["verdict"]),
         )
     flush = section["flush"]
@@ -253,9 +271,9 @@ def weight_update_summary(section: dict[str, Any]) -> list[str]:
     lines = []
     add = section["add_request"]["rows"]
     if add:
-        worst = max(r["ratios"]["fault8/unpatched"][clock] for r in add)
+        worst = max(paired_ratio(r["ratios"]["fault8/unpatched"], clock) for r in add)
         passed = sum(r["verdict"] == "PASS" for r in add)
-        median = sorted(r["ratios"]["fault8/unpatched"][clock] for r in add)[len(add) // 2]
+        median = sorted(paired_ratio(r["ratios"]["fault8/unpatched"], clock) for r in add)[len(add) // 2]
         over = sorted(r["overhead_us"] for r in add)[len(add) // 2]
         through = sorted(r["passthrough_overhead_us"] for r in add)[len(add) // 2]
         lines.append(f"weight-update add_request (fault8/unpatched): {passed}/{len(add)} rows PASS "
@@ -328,7 +346,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         passed = [r for r in judged if r["verdict"] == "PASS"]
         key = "patched/upstream+ext" if name == "release" else "patched/unpatched"
         clock = report[name]["clock"]
-        worst = max((r["ratios"][r.get("judged", key)][clock] for r in judged), default=float("nan"))
+        worst = max(((paired_ratio(r["ratios"][r["judged"]], clock) if name == "add_request"
+                      else r["ratios"][key][clock]) for r in judged), default=float("nan"))
         skipped = len(rows) - len(judged)
         extra = ""
         if name in ENGINE_TABLE_TITLES:

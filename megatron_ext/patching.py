@@ -100,20 +100,89 @@ def _guarded(original: Any, guarded: Guarded) -> tuple[Callable, tuple]:
     When ``original`` is itself a guarded wrapper with the same test (two Mamba fixes on one
     function), a failed test goes straight to what that one would call: one test per call, not
     one per patch. Safe because patches are reverted outermost first (:meth:`Patch.uninstall`).
+
+    The function is generated with ``original``'s own parameter list (:func:`_same_signature`):
+    the bypass then passes the arguments on as they are, without packing them into a tuple and a
+    dict, and the test reads the attribute by name. The wrapper gets every argument but ``self``
+    in ``args``, in ``original``'s order with its defaults filled in (keyword-only ones in
+    ``kwargs``), which is how megatron-ext's wrappers read them anyway.
     """
     if not isinstance(original, types.FunctionType):
         raise TypeError(f"a guarded wrapper needs a plain function to wrap, not {type(original).__name__}")
-    bind, wrapper, attribute, value = original.__get__, guarded.wrapper, guarded.attribute, guarded.value
-    test = (attribute, value)
+    test = (guarded.attribute, guarded.value)
     inner = getattr(original, BYPASS_ATTR, None)
     passthrough = inner[1] if inner is not None and inner[0] == test else original
+    if not guarded.attribute.isidentifier():
+        raise ValueError(f"a guard reads an attribute by name, not {guarded.attribute!r}")
+    names = {"passthrough": passthrough, "wrapper": guarded.wrapper, "bind": original.__get__,
+             "value": guarded.value}
+    params, call, args, kwargs = _same_signature(original, names)
+    self_name = call[0] if call else ""
+    if not self_name.isidentifier():  # no parameter, or *args first: no instance to test
+        raise TypeError(f"a guarded wrapper needs a method taking the instance first, not {original.__qualname__}")
+    source = (f"def patched({', '.join(params)}):\n"
+              f"    if {self_name}.{guarded.attribute} != {_NS}value:\n"
+              f"        return {_NS}passthrough({', '.join(call)})\n"
+              f"    return {_NS}wrapper({_NS}bind({self_name}), {self_name}, ({''.join(a + ', ' for a in args)}), "
+              f"{{{', '.join(kwargs)}}})\n")
+    namespace = {_NS + key: value for key, value in names.items()}
+    exec(compile(source, f"<megatron-ext guard of {original.__qualname__}>", "exec"), namespace)
+    return namespace["patched"], (test, passthrough)
 
-    def patched(self, *args, **kwargs):
-        if getattr(self, attribute) != value:
-            return passthrough(self, *args, **kwargs)
-        return wrapper(bind(self), self, args, kwargs)
 
-    return patched, (test, passthrough)
+#: Prefix of every name a generated function reads from its namespace (none is a parameter name).
+_NS = "_megatron_ext_"
+
+
+def _same_signature(function: types.FunctionType, defaults: dict[str, Any]) -> tuple[list[str], ...]:
+    """``function``'s parameter list as source text, and how to pass each parameter on.
+
+    Returns ``(params, call, args, kwargs)``: ``params`` for a ``def``, ``call`` for a call passing
+    everything on unchanged, and the items of the ``args`` tuple and ``kwargs`` dict a wrapper gets
+    (every parameter after the first). A default value is stored in ``defaults`` as
+    ``default<index>``, read by the ``def`` as ``_NS + "default<index>"``.
+
+    Raises:
+        ValueError: a parameter name megatron-ext's generated code reserves (:data:`_NS`).
+    """
+    params: list[str] = []
+    call: list[str] = []
+    args: list[str] = []
+    kwargs: list[str] = []
+    star = False
+    kinds = inspect.Parameter
+    for index, parameter in enumerate(inspect.signature(function, follow_wrapped=False).parameters.values()):
+        name = parameter.name
+        if name.startswith(_NS):
+            raise ValueError(f"parameter {name!r} of {function.__qualname__} starts with {_NS!r}")
+        default = ""
+        if parameter.default is not parameter.empty:
+            defaults[f"default{index}"] = parameter.default
+            default = f"={_NS}default{index}"
+        if parameter.kind is kinds.VAR_POSITIONAL:
+            params.append(f"*{name}")
+            call.append(f"*{name}")
+            args.append(f"*{name}")
+            star = True
+        elif parameter.kind is kinds.VAR_KEYWORD:
+            params.append(f"**{name}")
+            call.append(f"**{name}")
+            kwargs.append(f"**{name}")
+        elif parameter.kind is kinds.KEYWORD_ONLY:
+            if not star:
+                params.append("*")
+                star = True
+            params.append(name + default)
+            call.append(f"{name}={name}")
+            kwargs.append(f"{name!r}: {name}")
+        else:
+            params.append(name + default)
+            call.append(name)
+            if index:
+                args.append(name)
+            if parameter.kind is kinds.POSITIONAL_ONLY and index + 1 == function.__code__.co_posonlyargcount:
+                params.append("/")
+    return params, call, args, kwargs
 
 
 class ShadowedMethod:

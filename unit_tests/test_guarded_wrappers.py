@@ -87,3 +87,47 @@ def test_the_redirect_writes_through_a_view_that_follows_the_context_tensor():
     assert redirect_matched_block_writes(context, 0, 0, 8, [(6, 8)]) == 2
     assert second.tolist() == [0, 0, 0, 0, 0, 0, 99, 99]
     assert first.tolist() == [0, 1, 99, 99, 99, 99, 6, 7]
+
+
+class Signatures:
+    flag = True
+
+    def method(self, a, /, b, c=3, *rest, d, e=5, **extra):
+        return a, b, c, rest, d, e, extra
+
+
+def test_a_guarded_function_keeps_the_signature_and_passes_every_argument_on():
+    """The installed function is generated with the original's parameter list: the bypass passes
+    arguments on unchanged; the wrapper gets them positionally with defaults filled in (keyword-only
+    ones and ``**extra`` in ``kwargs``)."""
+    import inspect
+
+    seen: list[tuple] = []
+
+    def wrapper(wrapped, instance, args, kwargs):
+        seen.append((args, kwargs))
+        return wrapped(*args, **kwargs)
+
+    original = Signatures.__dict__["method"]
+    patched = wrap_method(original, Guarded(wrapper, "flag"), "sig")
+    assert str(inspect.signature(patched, follow_wrapped=False)) == "(self, a, /, b, c=3, *rest, d, e=5, **extra)"
+    on, off = Signatures(), Signatures()
+    off.flag = False
+    assert patched(on, 1, 2, 9, 10, d=4, z=1) == (1, 2, 9, (10,), 4, 5, {"z": 1})
+    assert seen == [((1, 2, 9, 10), {"d": 4, "e": 5, "z": 1})]
+    assert patched(off, 1, b=2, d=4) == (1, 2, 3, (), 4, 5, {})
+    assert len(seen) == 1
+    with pytest.raises(TypeError, match="missing 1 required positional argument: .a."):  # a is positional-only
+        patched(on, a=1, b=2, d=4)
+
+
+def test_a_guard_refuses_what_its_generated_code_cannot_read():
+    def uses_reserved(self, _megatron_ext_value):
+        return _megatron_ext_value
+
+    with pytest.raises(ValueError, match="parameter '_megatron_ext_value' of .* starts with '_megatron_ext_'"):
+        wrap_method(uses_reserved, Guarded(_recording("x", []), "flag"), "x")
+    with pytest.raises(ValueError, match="a guard reads an attribute by name, not 'a.b'"):
+        wrap_method(Signatures.__dict__["method"], Guarded(_recording("x", []), "a.b"), "x")
+    with pytest.raises(TypeError, match="needs a method taking the instance first"):
+        wrap_method(lambda *args: args, Guarded(_recording("x", []), "flag"), "x")
