@@ -79,12 +79,12 @@ def test_the_redirect_writes_through_a_view_that_follows_the_context_tensor():
     first = torch.arange(8, dtype=torch.int32)
     context = types.SimpleNamespace(token_to_block_idx=first,
                                     kv_block_allocator=types.SimpleNamespace(dummy_block_idx=99))
-    # tokens at positions 16..23 added from slot 2; the matched block covers positions 16..20
-    assert redirect_matched_block_writes(context, 2, 16, 22, [(0, 16), (16, 20)]) == 4
+    # tokens at positions 16..21 added from slot 2 (offset -14); a matched block covers 16..19
+    redirect_matched_block_writes(context, -14, 16, 22, [(0, 16), (16, 20)])
     assert first.tolist() == [0, 1, 99, 99, 99, 99, 6, 7]
     second = torch.zeros(8, dtype=torch.int32)
     context.token_to_block_idx = second
-    assert redirect_matched_block_writes(context, 0, 0, 8, [(6, 8)]) == 2
+    redirect_matched_block_writes(context, 0, 0, 8, [(6, 8), (9, 12)])
     assert second.tolist() == [0, 0, 0, 0, 0, 0, 99, 99]
     assert first.tolist() == [0, 1, 99, 99, 99, 99, 6, 7]
 

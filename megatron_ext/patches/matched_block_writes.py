@@ -75,32 +75,32 @@ SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
 
 
 def redirect_matched_block_writes(
-    context: Any, first_slot: int, first_position: int, end_position: int,
+    context: Any, offset: int, first_position: int, end_position: int,
     matched_ranges: list[tuple[int, int]],
-) -> int:
+) -> None:
     """Point the KV writes of just-added tokens that fall in matched blocks at the dummy block.
 
     Args:
         context: the ``DynamicInferenceContext`` the tokens were just added to.
-        first_slot: active-token index of the first token ``add_request`` added.
+        offset: active-token slot minus token position: ``add_request`` lays the added tokens out
+            contiguously (an ``arange`` of positions in every release 0.17 to 0.19).
         first_position, end_position: the token positions within the request that were added,
-            ``[first_position, end_position)``; ``add_request`` lays them out contiguously from
-            ``first_slot`` (an ``arange`` of positions in every release 0.17 to 0.19).
-        matched_ranges: token-position ranges of the request's hash-matched blocks.
+            ``[first_position, end_position)``.
+        matched_ranges: token-position ranges ``(start, stop)`` of the request's hash-matched blocks.
 
     Only ``token_to_block_idx`` (integer, shape ``[max_tokens]``) changes, in place, on whatever
-    device the bookkeeping lives on, and only when a range overlaps the added tokens. Returns the
-    number of redirected tokens.
+    device the bookkeeping lives on, and only where a range overlaps the added tokens.
     """
-    offset = first_slot - first_position  # token position -> active-token slot
-    redirected = 0
-    for start, stop in matched_ranges:
-        start, stop = max(start, first_position), min(stop, end_position)
+    target = None
+    for start, stop in matched_ranges:  # no max()/min() calls: this runs on every cache hit
+        if start < first_position:
+            start = first_position
+        if stop > end_position:
+            stop = end_position
         if start < stop:
-            _token_to_block_idx(context)[start + offset : stop + offset] = (
-                context.kv_block_allocator.dummy_block_idx)
-            redirected += stop - start
-    return redirected
+            if target is None:
+                target = _token_to_block_idx(context)
+            target[start + offset : stop + offset] = context.kv_block_allocator.dummy_block_idx
 
 
 def _token_to_block_idx(context: Any) -> Any:
@@ -148,10 +148,10 @@ def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: d
             ranges = state[MATCHED_RANGES_ATTR] = []
         ranges.append((start, start + newly_matched * block))
     if ranges:
-        chunk = kwargs.get("prefill_chunk_length", args[1] if len(args) > 1 else None)
+        chunk = args[1] if len(args) > 1 else kwargs.get("prefill_chunk_length")
         end_position = finished + (req.remaining_prompt_length if chunk is None else chunk)
-        first_position = end_position - (context.active_token_count - first_slot)
-        redirect_matched_block_writes(context, first_slot, first_position, end_position, ranges)
+        offset = context.active_token_count - end_position  # token position -> active-token slot
+        redirect_matched_block_writes(context, offset, first_slot - offset, end_position, ranges)
 
 
 class MatchedBlockWritesPatch(Patch):
