@@ -265,3 +265,37 @@ def test_registration_is_narrowed_to_blocks_not_holding_their_hash():
     assert (ids, hashes_, parents) == ([0, 4], [33, 22], [0, 11])
     assert unregistered(allocator, [1, 2], [11, 22], None) == ([], [], None)
     assert unregistered(allocator, [0, 4], [44, 55], None) == ([0, 4], [44, 55], None)
+
+
+def test_long_and_short_registration_runs_link_each_block_to_its_table_predecessor(runtime_patches_either_order):
+    """A 40-block prompt registers one run longer than the scalar-write limit of the 0.17/0.18
+    backport (vectorized links), a 35-block match plus 5 new blocks a short one (scalar writes
+    through NumPy views); the books are 0.19's own. A reset clears the forest in place, as 0.19's
+    ``reset`` does (NumPy views of the tables stay valid)."""
+    long_prompt = list(range(10_000, 10_000 + 40 * BLOCK))
+    extended = long_prompt[: 35 * BLOCK] + list(range(20_000, 20_000 + 5 * BLOCK))
+    with cuda_on_cpu():
+        ctx = small_prefix_caching_context(
+            "LRU", block_size_tokens=BLOCK, buffer_size_gb=96 * KV_BYTES_PER_BLOCK / 2**30,
+            max_requests=8, max_tokens=2048, max_sequence_length=2048,
+        )
+        ctx.prefix_cache_lru_clock += 1
+        ctx.add_request(make_request(1, long_prompt))
+        ctx.add_request(make_request(2, extended))
+        first, second = table(ctx, 40), table(ctx, 40, row=1)
+        assert second[:35] == first[:35] and not set(second[35:]) & set(first)
+        expected_parents = [-1] * ctx.kv_block_allocator.total_count
+        expected_children = [0] * ctx.kv_block_allocator.total_count
+        for row in (first, second):
+            for parent, block in zip([-1, *row[:-1]], row):
+                expected_parents[block] = parent
+        for block in set(first) | set(second):
+            if expected_parents[block] >= 0:
+                expected_children[expected_parents[block]] += 1
+        assert expected_children[first[34]] == 2  # first[35] and second[35]
+        assert forest(ctx) == (expected_parents, expected_children)
+        allocator = ctx.kv_block_allocator
+        parent_id, child_count = allocator.block_parent_id, allocator.block_child_count
+        ctx.reset()
+        assert allocator.block_parent_id is parent_id and allocator.block_child_count is child_count
+        assert forest(ctx) == ([-1] * allocator.total_count, [0] * allocator.total_count)

@@ -50,6 +50,7 @@ from ..errors import MegatronExtError
 from ..mcore import DYNAMIC_CONTEXT_MODULE, KV_BLOCK_ALLOCATOR_MODULE, uses_lru_prefix_caching
 from ..patching import Guarded, Patch, Target, installed_patches, lru_only
 from .lru_register_once import unregistered
+from .views import cpu_view
 
 INIT = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.__init__")
 REGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.register_kv_block_hashes")
@@ -193,13 +194,11 @@ def register_with_parents(
     if not block_ids:
         return  # every block already holds its hash: registering again changes nothing
     register(block_ids, block_hashes)
-    parent_id, child_count = prefix_forest(allocator)
     if parent_hashes is None:
-        _link_block_table_run(allocator.context, parent_id, child_count, block_ids)
+        _link_block_table_run(allocator.context, allocator, block_ids)
     else:
         hash_map = allocator.kv_hash_to_block_id
-        _link(parent_id, child_count, block_ids,
-              [hash_map.get(h, -1) if h != 0 else -1 for h in parent_hashes])
+        _link(*prefix_forest(allocator), block_ids, [hash_map.get(h, -1) if h != 0 else -1 for h in parent_hashes])
 
 
 def _link(parent_id: torch.Tensor, child_count: torch.Tensor, block_ids: list[int], parents: list[int]) -> None:
@@ -211,43 +210,51 @@ def _link(parent_id: torch.Tensor, child_count: torch.Tensor, block_ids: list[in
     child_count.index_add_(0, linked, torch.ones_like(linked))
 
 
-def _link_block_table_run(context: Any, parent_id: torch.Tensor, child_count: torch.Tensor,
-                          block_ids: list[int]) -> None:
+#: Runs up to this many blocks are linked by scalar writes through NumPy views (a few hundred ns
+#: each); longer ones by :func:`_link`'s vectorized torch writes (a fixed ~10 µs).
+SCALAR_LINKS_MAX = 32
+
+
+def _link_block_table_run(context: Any, allocator: Any, block_ids: list[int]) -> None:
     """Link the blocks ``add_request`` registers to their predecessors in its block table.
 
     The released ``add_request`` (0.17/0.18 ``_register_range``) registers a contiguous run of
     the block table of the request it is adding (row ``total_request_count``, whose block count it
     has set by then): the parent of the run's first block is the entry before it (-1 at the
-    start), of every other block the one before it in the run. Where the tables live on the CPU
-    (0.18's bookkeeping) that is a handful of NumPy operations on views; a run not found whole in
-    the table (another caller) is linked entry by entry.
+    start), of every other block the one before it in the run. The row is read once as a list
+    (through NumPy views where the tables live on the CPU, 0.18's bookkeeping); a run not found
+    whole in the row (another caller) is linked entry by entry.
     """
+    parent_id, child_count = prefix_forest(allocator)
     tables = getattr(context, "request_to_kv_block_ids", None)
     row = getattr(context, "total_request_count", None)
     if tables is None or row is None or row >= tables.shape[0]:
         return _link(parent_id, child_count, block_ids, [-1] * len(block_ids))
-    on_cpu = tables.device.type == "cpu" and parent_id.device.type == "cpu"
-    counts = context.request_kv_block_counts
-    if on_cpu:
-        table = tables.numpy()[row, : counts.numpy()[row]]
-    else:
-        table = tables[row, : int(counts[row])].cpu().numpy()
-    ids = numpy.array(block_ids, dtype=numpy.int64)
-    found = numpy.flatnonzero(table == ids[0])
-    start = int(found[0]) if found.size else -1
-    if start < 0 or not numpy.array_equal(table[start : start + ids.size], ids):
-        position = {int(block): k for k, block in enumerate(table) if block >= 0}
+    count = int(cpu_view(context, "request_kv_block_counts")[row])
+    entries = cpu_view(context, "request_to_kv_block_ids")[row, :count].tolist()
+    start = _find_run(entries, block_ids)
+    if start < 0:
+        position = {block: k for k, block in enumerate(entries) if block >= 0}
         return _link(parent_id, child_count, block_ids,
-                     [int(table[position[b] - 1]) if position.get(b, 0) > 0 else -1 for b in block_ids])
-    first_parent = int(table[start - 1]) if start > 0 else -1
-    if not on_cpu:
-        return _link(parent_id, child_count, block_ids, [first_parent, *block_ids[:-1]])
-    parents, children = parent_id.numpy(), child_count.numpy()
-    parents[ids[1:]] = ids[:-1]
-    parents[ids[0]] = first_parent
-    children[ids[:-1]] += 1  # the IDs of one block table are distinct: no index repeats
-    if first_parent >= 0:
-        children[first_parent] += 1
+                     [entries[position[b] - 1] if position.get(b, 0) > 0 else -1 for b in block_ids])
+    parents = [entries[start - 1] if start > 0 else -1, *block_ids[:-1]]
+    parent_view = cpu_view(allocator, "block_parent_id")
+    if len(block_ids) > SCALAR_LINKS_MAX or not isinstance(parent_view, numpy.ndarray):  # long, or on the GPU
+        return _link(parent_id, child_count, block_ids, parents)
+    child_view = cpu_view(allocator, "block_child_count")
+    for block, parent in zip(block_ids, parents):
+        parent_view[block] = parent
+        if parent >= 0:
+            child_view[parent] += 1
+
+
+def _find_run(entries: list[int], block_ids: list[int]) -> int:
+    """Where ``block_ids`` starts as a contiguous run of ``entries``, or -1."""
+    try:
+        start = entries.index(block_ids[0])
+    except ValueError:
+        return -1
+    return start if entries[start : start + len(block_ids)] == list(block_ids) else -1
 
 
 def _register_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
@@ -280,8 +287,13 @@ def _deregister_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: 
 
 def _reset_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
     wrapped(*args, **kwargs)
-    if uses_lru_prefix_caching(allocator):
-        _new_tables(allocator)  # nothing is registered after a reset
+    if not uses_lru_prefix_caching(allocator):
+        return
+    if allocator.__dict__.get(GENERATION_ATTR) == _generation:  # nothing is registered after a reset
+        allocator.block_parent_id.fill_(-1)  # in place: the tensors (and NumPy views of them) stay
+        allocator.block_child_count.zero_()
+    else:
+        _new_tables(allocator)
 
 
 def evict_leaves_first(allocator: Any, num_blocks_needed: int) -> bool:

@@ -24,13 +24,10 @@ from typing import Any, Callable
 
 from ..mcore import DYNAMIC_CONTEXT_MODULE
 from ..patching import Guarded, Patch, Target
+from .views import cpu_view
 
 ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
-
-#: Attribute kept on a context: ``(token_to_block_idx, what a redirect writes through)``, a NumPy
-#: view where the tensor lives on the CPU (0.18+ keep the bookkeeping there), else the tensor.
-CPU_VIEW_ATTR = "_megatron_ext_token_to_block_idx_view"
 
 #: Attribute kept on each request: the token-position ranges ``(start, stop)`` of the blocks it got
 #: from a hash match, one range per ``add_request`` call that matched, accumulated over the chunks
@@ -99,21 +96,8 @@ def redirect_matched_block_writes(
             stop = end_position
         if start < stop:
             if target is None:
-                target = _token_to_block_idx(context)
+                target = cpu_view(context, "token_to_block_idx")
             target[start + offset : stop + offset] = context.kv_block_allocator.dummy_block_idx
-
-
-def _token_to_block_idx(context: Any) -> Any:
-    """``context.token_to_block_idx``, as a NumPy view when it lives on the CPU: a slice fill
-    through NumPy skips torch's indexing machinery, which costs more than the fill itself on the
-    admission path. The view is kept per context and checked against the tensor it was made of."""
-    tensor = context.token_to_block_idx
-    cached = context.__dict__.get(CPU_VIEW_ATTR)
-    if cached is not None and cached[0] is tensor:
-        return cached[1]
-    view = tensor.numpy() if tensor.device.type == "cpu" else tensor  # GPU: torch's own indexing
-    context.__dict__[CPU_VIEW_ATTR] = (tensor, view)
-    return view
 
 
 def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict) -> None:
