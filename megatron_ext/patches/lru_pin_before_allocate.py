@@ -53,19 +53,25 @@ FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V0
 def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict) -> None:
     """Pin the request's matched blocks for the released call, which matches once, not twice.
 
-    The prefix match (``_compute_prefix_match``, which only reads the hash map and the request in
-    0.17/0.18) is computed here, before anything is allocated, and the released ``add_request``
-    is handed the same result: for the duration of the call the context's own
-    ``_compute_prefix_match`` attribute answers the call with these arguments from it (any other
-    call goes through). Guarded (:func:`~megatron_ext.patching.lru_only`).
+    Where the free pool holds every block the chunk could take, allocation cannot evict and the
+    released call runs as it is. Otherwise the prefix match (``_compute_prefix_match``, which only
+    reads the hash map and the request in 0.17/0.18) is computed here, before anything is
+    allocated, and the released ``add_request`` is handed the same result: for the duration of the
+    call the context's own ``_compute_prefix_match`` attribute answers the call with these
+    arguments from it (any other call goes through). Guarded (:func:`~megatron_ext.patching.lru_only`).
     """
     allocator = context.kv_block_allocator
     if not allocator.enable_prefix_caching:
         return wrapped(*args, **kwargs)
     req = kwargs["req"] if "req" in kwargs else args[0]
-    chunk = kwargs.get("prefill_chunk_length", args[1] if len(args) > 1 else None)
+    chunk = args[1] if len(args) > 1 else kwargs.get("prefill_chunk_length")
     if chunk is None:
         chunk = req.remaining_prompt_length
+    # The call takes at most the chunk's blocks beyond those the request holds from the pool:
+    # when the free pool has them, allocation cannot evict, so nothing needs pinning (the common case).
+    block, finished = context.block_size_tokens, req.finished_chunk_token_count
+    if allocator.total_avail >= -(-(finished + chunk) // block) - -(-finished // block):
+        return wrapped(*args, **kwargs)
     compute = context._compute_prefix_match
     match = compute(req, chunk)
 
@@ -75,7 +81,7 @@ def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: d
         return compute(other_req, other_chunk, *more, **options)
 
     # Allocation evicts only when the free pool is short of the blocks it takes from the pool
-    # (match[1]); otherwise no matched block can be evicted and there is nothing to pin.
+    # (match[1], after the matches); otherwise no matched block can be evicted either.
     pinned = None
     if match[0] and allocator.total_avail < match[1]:
         ref_counts = allocator.block_ref_counts
