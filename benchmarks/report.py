@@ -43,7 +43,7 @@ def paired_ratio(ratio: dict[str, Any], clock: str) -> float:
 
 
 def _v(value: str) -> str:
-    colour = {"PASS": "green", "FAIL": "red"}.get(value, "yellow")
+    colour = {"PASS": "green", "FAIL": "red", "DIFFERS": "red"}.get(value, "yellow")
     return f"[bold {colour}]{value}[/]"
 
 
@@ -106,17 +106,22 @@ def add_request_table(section: dict[str, Any]) -> Table:
                           f"patched/unpatched <= {section['target']:.2f}, <= {section['target_no_match']:.2f} "
                           "where nothing matches; LRU on a release that gets upstream's LRU fixes "
                           "backported (the prefix forest kept on every registration) is judged by "
-                          "patched/upstream (upstream's own code doing the same, in its own worker).",
+                          "patched/upstream (upstream's own code doing the same, in its own worker). "
+                          "source = the release with the source patches of patches/ applied (its own "
+                          "worker, no runtime patch), against the same baseline as patched; matched "
+                          "blocks, tokens and dummy-block writes are checked equal to patched's.",
                   caption_justify="left")
     for name in ("release", "policy", "prompt", "match", "matched blocks", "tokens added",
                  "to dummy (patched)", "unpatched", "patched", "upstream", "extra µs (judged)",
-                 "patched/unpatched", "patched/upstream", f"{other} ratio", "verdict"):
+                 "patched/unpatched", "patched/upstream", f"{other} ratio", "verdict", "source (judged alike)",
+                 "source verdict"):
         table.add_column(name, justify="left" if name in ("release", "policy", "match") else "right")
     for row in section["rows"]:
         v = row["variants"]
         out = row["outcomes"]["patched"]
         upstream = row["ratios"].get("patched/upstream")
         judged = row["ratios"][row.get("judged", "patched/unpatched")]
+        source = row["ratios"].get(row.get("judged", "").replace("patched/", "source/"))
         table.add_row(
             row["release"], row["policy"], f"{row['prompt_tokens']:,}", row["match"],
             str(out["blocks_matched"]), str(out["tokens_added"]), str(out["tokens_to_dummy_block"]),
@@ -124,6 +129,7 @@ def add_request_table(section: dict[str, Any]) -> Table:
             _t(v["upstream"][key]) if "upstream" in v else "-", _d(judged, clock),
             _p(row["ratios"]["patched/unpatched"], clock), _p(upstream, clock) if upstream else "-",
             f"{paired_ratio(judged, other):.3f}", _v(row["verdict"]),
+            _p(source, clock) if source else "-", _v(row.get("source_verdict", "n/a")),
         )
     return table
 
@@ -359,6 +365,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"{label}: {len(passed)}/{len(judged)} rows PASS "
                      f"(target {target}, worst {worst:.2f}x)"
                      + (f", {skipped} n/a" if skipped else "") + extra)
+        sourced = [r for r in rows if r.get("source_verdict", "n/a") != "n/a"]
+        if sourced:
+            worst = max(paired_ratio(r["ratios"][r["judged"].replace("patched/", "source/")], clock) for r in sourced)
+            lines.append(f"add_request with the source patches instead (source/baseline): "
+                         f"{sum(r['source_verdict'] == 'PASS' for r in sourced)}/{len(sourced)} rows PASS "
+                         f"(same targets, worst {worst:.2f}x)")
     if "weight_update" in report:
         lines += weight_update_summary(report["weight_update"])
     return lines

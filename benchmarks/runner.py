@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from megatron_ext.source_patches import patch_source
+
 from .stats import paired_summary, ratio_summary, summarize
 from .trees import DEFAULT_SEARCH, REPO, find_tree
 
@@ -65,6 +67,9 @@ class Settings:
     add_matches: list[str] = field(default_factory=lambda: ["full", "partial", "none"])
     add_rounds: int = 48
     add_batch: int = 10
+    # Also time each add_releases release with the source patches of patches/ applied (its own
+    # worker, no runtime patch): what the same fixes cost with no wrapper on the path.
+    add_source: bool = True
     e2e_case: str = "rl_rollouts"
     e2e_releases: list[str] = field(default_factory=lambda: [PATCHED_RELEASE, UPSTREAM_RELEASE])
     e2e_policies: Optional[list[str]] = None  # None: every policy the case lists
@@ -115,9 +120,9 @@ class WorkerError(RuntimeError):
 class WorkerProcess:
     """``python -m benchmarks.worker`` with ``tree`` first on ``PYTHONPATH``."""
 
-    def __init__(self, version: str, tree: Path, log_dir: Path) -> None:
+    def __init__(self, version: str, tree: Path, log_dir: Path, label: str = "") -> None:
         self.version = version
-        self.log_path = log_dir / f"worker-{version}.log"
+        self.log_path = log_dir / f"worker-{label or version}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_EXT_")}
         env["PYTHONPATH"] = os.pathsep.join([str(tree), str(REPO)])
         env["NO_VCS_VERSION"] = "1"  # megatron-core's package_info would append a git hash
@@ -238,6 +243,22 @@ def compare(numerator: Timed, denominator: Timed) -> dict[str, Any]:
     }
 
 
+def source_key(version: str) -> str:
+    """The worker key of ``version`` with the source patches applied."""
+    return f"{version}+source"
+
+
+def source_verdict(outcomes: dict[str, Any], ratio: Optional[dict[str, Any]], clock: str, target: float) -> str:
+    """The source-patched tree's verdict in a section-2 row: "n/a" without one, "DIFFERS" when its
+    add_request did other work than the runtime-patched one (matched blocks, tokens added,
+    dummy-block writes), else PASS / FAIL on its paired ratio."""
+    if ratio is None:
+        return "n/a"
+    if outcomes["source"] != outcomes["patched"]:
+        return "DIFFERS"
+    return verdict(ratio[f"paired_{clock}"]["ratio"], target)
+
+
 def verdict(ratio: float, target: float) -> str:
     return "PASS" if ratio <= target else "FAIL"
 
@@ -265,14 +286,26 @@ class Bench:
             tree, source = find_tree(version, self.search, self.scratch)
             self.trees[version] = {"path": str(tree), "source": source}
             self.progress(f"megatron-core {version}: {source}")
-        for version in versions:  # start all, then wait: imports overlap
-            self.workers[version] = WorkerProcess(version, Path(self.trees[version]["path"]), self.scratch)
-        for version in versions:
-            info = self.workers[version].wait_ready()
-            self.trees[version].update(info)
+        keys = {version: (version, Path(self.trees[version]["path"])) for version in versions}
+        if "add_request" in c.sections and c.add_source:
+            for version in c.add_releases:
+                keys[source_key(version)] = (version, self._source_tree(version))
+        for key, (version, tree) in keys.items():  # start all, then wait: imports overlap
+            self.workers[key] = WorkerProcess(version, tree, self.scratch, label=key)
+        for key in keys:
+            info = self.workers[key].wait_ready()
+            self.trees.setdefault(key, {"path": str(keys[key][1]), "source": "source-patched copy"}).update(info)
             states = ", ".join(f"{p['patch']}: {p['state']}" for p in info["patches"])
-            self.progress(f"worker {version} ready ({states})")
+            self.progress(f"worker {key} ready ({states})")
         self.pinned_cpu = self._pin_workers()
+
+    def _source_tree(self, version: str) -> Path:
+        """A copy of ``version``'s tree in the scratch directory with ``patches/`` applied."""
+        target = self.scratch / f"megatron-core-{version}-source"
+        shutil.copytree(self.trees[version]["path"], target, ignore=shutil.ignore_patterns("__pycache__"))
+        applied = patch_source(target)
+        self.progress(f"megatron-core {version} + source patches: {len(applied)} applied in {target}")
+        return target
 
     def _pin_workers(self) -> Optional[int]:
         """Pin all workers to one CPU (after start-up, so that their imports ran in parallel)."""
@@ -362,6 +395,12 @@ class Bench:
             runs = {"unpatched": (worker, "unpatched"), "patched": (worker, "patched")}
             if upstream is not None:
                 runs["upstream"] = (upstream, "unpatched")
+            source = self.workers.get(source_key(version))
+            if source is not None:  # its runtime patches are "not needed": both variants are the tree's code
+                case["outcomes"]["source"] = source.call(
+                    "add_case", policy=policy, max_prompt=max_prompt, length=length, match=match,
+                    variants=["unpatched"])["outcomes"]["unpatched"]
+                runs["source"] = (source, "unpatched")
             timed = {variant: Timed() for variant in runs}
             for r in range(c.add_rounds):
                 order = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
@@ -371,7 +410,10 @@ class Bench:
             ratios = {"patched/unpatched": compare(timed["patched"], timed["unpatched"])}
             if upstream is not None:
                 ratios["patched/upstream"] = compare(timed["patched"], timed["upstream"])
-            judged = "patched/upstream" if upstream is not None else "patched/unpatched"
+            baseline = "upstream" if upstream is not None else "unpatched"
+            judged = f"patched/{baseline}"
+            if source is not None:
+                ratios[f"source/{baseline}"] = compare(timed["source"], timed[baseline])
             overhead = ratios["patched/unpatched"][f"paired_{c.clock}"]["diff"]  # µs, paired
             target = TARGETS["add_request_no_match" if match == "none" else "add_request"]
             rows.append({
@@ -383,9 +425,10 @@ class Bench:
                 # judged by the paired estimate: a few µs on a call of ~80 µs and up, where the
                 # ratio of medians moves by more than the target between runs
                 "verdict": verdict(ratios[judged][f"paired_{c.clock}"]["ratio"], target),
+                "source_verdict": source_verdict(case["outcomes"], ratios.get(f"source/{baseline}"), c.clock, target),
             })
         return {"target": TARGETS["add_request"], "target_no_match": TARGETS["add_request_no_match"],
-                "clock": c.clock, "policies": c.add_policies,
+                "clock": c.clock, "policies": c.add_policies, "source": c.add_source,
                 "rounds": c.add_rounds, "batch": c.add_batch, "rows": rows}
 
     # -- section 3 -----------------------------------------------------------------------------
