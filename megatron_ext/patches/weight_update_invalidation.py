@@ -104,9 +104,9 @@ _SOURCE_COMMON = {
     "DynamicInferenceContext._find_kv_match_count": "3c776c75b1b8d21f",
     "DynamicInferenceContext.reinitialize_inference_state_buffers": "35077e02b99f9b94",
 }
-_SOURCE_V017 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "dbd198a62e77ab12"}
-_SOURCE_V018 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "891e66594835fe3d"}
-_SOURCE_V019 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "dfe84e8bedd5fac2"}
+_SOURCE_V017 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "7cd123218b92d13a"}
+_SOURCE_V018 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "ae3d2dc360ac4ab6"}
+_SOURCE_V019 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "f539c9eadcd2a9ce"}
 SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
     "0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "0.18.0": _SOURCE_V018, "0.18.2": _SOURCE_V018,
     "0.19.0": _SOURCE_V019, "0.19.2": _SOURCE_V019}
