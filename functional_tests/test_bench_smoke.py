@@ -81,6 +81,11 @@ def test_short_bench_prints_the_tables_and_writes_every_section(tmp_path):
         assert row["verdict"] in ("PASS", "FAIL")
         # every patch on every function it wraps: the probe's outcome is the same either way
         assert row["outcomes"]["patched"]["blocks_matched"] == row["outcomes"]["unpatched"]["blocks_matched"]
+        # the source-patched tree does the runtime patches' work (matches, tokens, dummy-block writes)
+        assert row["outcomes"]["source"] == row["outcomes"]["patched"]
+        assert row["source_verdict"] in ("PASS", "FAIL")
+        paired = row["ratios"]["patched/unpatched"]["paired_cpu"]
+        assert paired["diff_lo"] <= paired["diff"] <= paired["diff_hi"] and paired["n"] == 2
 
     e2e = report["e2e"]["rows"]
     assert e2e
