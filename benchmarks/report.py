@@ -386,7 +386,7 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
                   + ("  [yellow](--short: tiny sizes, few repetitions; verdicts not meaningful)[/]"
                      if meta["settings"]["short"] else ""))
     pinned = meta.get("workers_pinned_to_cpu")
-    console.print(f"  one worker process per release, "
+    console.print("  one worker process per release (section 2: and per source-patched copy), "
                   + (f"all pinned to CPU {pinned}" if pinned is not None else "not pinned")
                   + "; torch on one intra-op thread")
     for version, tree in meta.get("releases", {}).items():

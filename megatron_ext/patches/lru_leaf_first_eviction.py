@@ -49,7 +49,7 @@ import torch
 from ..errors import MegatronExtError
 from ..mcore import DYNAMIC_CONTEXT_MODULE, KV_BLOCK_ALLOCATOR_MODULE, uses_lru_prefix_caching
 from ..patching import Guarded, Patch, Target, installed_patches, lru_only
-from .lru_register_once import unregistered
+from .lru_register_once import bind_registration, unregistered
 from .views import cpu_view
 
 INIT = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.__init__")
@@ -170,10 +170,6 @@ def _init_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) 
         _new_tables(allocator)
 
 
-def _bind_register(block_ids: list[int], block_hashes: list[int], parent_hashes: list[int] | None = None):
-    return block_ids, block_hashes, parent_hashes
-
-
 def register_with_parents(
     allocator: Any, register: Callable, block_ids: list[int], block_hashes: list[int],
     parent_hashes: list[int] | None,
@@ -260,7 +256,7 @@ def _find_run(entries: list[int], block_ids: list[int]) -> int:
 def _register_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
     """Takes ``parent_hashes`` (0.19's signature) under every policy: callers ask
     :func:`takes_parent_hashes`. Only LRU keeps the forest."""
-    block_ids, block_hashes, parent_hashes = _bind_register(*args, **kwargs)
+    block_ids, block_hashes, parent_hashes = bind_registration(*args, **kwargs)
     if not block_ids or not uses_lru_prefix_caching(allocator):
         return wrapped(block_ids, block_hashes)
     sync_forest(allocator)

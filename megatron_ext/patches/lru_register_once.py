@@ -35,7 +35,9 @@ _V019 = {
 FINGERPRINTS = {"0.19.0": _V019, "0.19.2": _V019}
 
 
-def _bind(block_ids: list[int], block_hashes: list[int], parent_hashes: list[int] | None = None):
+def bind_registration(block_ids: list[int], block_hashes: list[int], parent_hashes: list[int] | None = None):
+    """``register_kv_block_hashes``' arguments, however passed: ``(block_ids, block_hashes,
+    parent_hashes)`` (0.19's signature; None where the caller gives no parents)."""
     return block_ids, block_hashes, parent_hashes
 
 
@@ -77,7 +79,7 @@ def unregistered(
 def _register_wrapper(wrapped: Callable, allocator: Any, args: tuple, kwargs: dict) -> None:
     """Register only the blocks that do not hold their hash yet (:func:`unregistered`). Only LRU
     keeps child counts, so only LRU changes (guarded: ``prefix_caching_eviction_policy``)."""
-    block_ids, block_hashes, parent_hashes = _bind(*args, **kwargs)
+    block_ids, block_hashes, parent_hashes = bind_registration(*args, **kwargs)
     if block_ids:
         block_ids, block_hashes, parent_hashes = unregistered(allocator, block_ids, block_hashes, parent_hashes)
         if not block_ids:
