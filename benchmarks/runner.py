@@ -296,6 +296,8 @@ class Bench:
             info = self.workers[key].wait_ready()
             self.trees.setdefault(key, {"path": str(keys[key][1]), "source": "source-patched copy"}).update(info)
             states = ", ".join(f"{p['patch']}: {p['state']}" for p in info["patches"])
+            if key != version and all(p["state"] == "not needed" for p in info["patches"]):
+                states = "the source patches are applied: no runtime patch is needed"
             self.progress(f"worker {key} ready ({states})")
         self.pinned_cpu = self._pin_workers()
 

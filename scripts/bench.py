@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What megatron-ext's runtime patches cost: release path, KV-append redirect, end to end, scaling.
+"""What megatron-ext's runtime patches cost: release path, admission path, end to end, scaling.
 
     .venv/bin/python scripts/bench.py                 # full run (a few minutes)
     .venv/bin/python scripts/bench.py --short         # CI: tiny sizes, few repetitions (~1 min)
@@ -13,9 +13,13 @@ temporary directory. Sections:
 1. release path: KVBlockAllocator.release_memory_blocks of 0.18.2 + megatron-ext's patch vs
    0.18.2 unpatched vs 0.19.2 (upstream's fix), both eviction policies, pools of 4,096 /
    65,536 / 1,048,576 blocks, 1 / 64 / 4,096 released IDs of N-sample sibling groups;
-   allocator state rebuilt before every timed call. Target: patched/upstream <= 1.10.
-2. KV-append redirect: DynamicInferenceContext.add_request patched vs unpatched, prompts of 64
-   to 8,192 tokens, full / partial / no prefix match (0.18.2 and 0.19.2). Target: <= 1.05.
+   allocator state rebuilt before every timed call. Target: patched/upstream+ext <= 1.00.
+2. admission path: DynamicInferenceContext.add_request (and what it calls) patched vs unpatched,
+   prompts of 64 to 8,192 tokens, full / partial / no prefix match, both eviction policies
+   (0.18.2 and 0.19.2; 0.18.2 LRU judged against upstream 0.19.2, which keeps the prefix forest
+   0.18.2 gets backported); each release also with the source patches of patches/ applied (a
+   copy of its tree, its own worker). Judged by the paired estimate (median of the per-round
+   differences; ratio = 1 + extra / median). Target: <= 1.05, <= 1.02 where nothing matches.
 3. end to end: engine step time of the default `ab` case on the CPU backend, patched vs
    unpatched (0.18.2 and 0.19.2). Target: <= 1.02.
 4. scaling: release cost vs pool size and vs released IDs (from section 1).
@@ -43,15 +47,22 @@ JSON (--json): {"meta": machine, settings, releases (tree, patch states), stage_
 "weight_update": {"targets", "add_request" / "e2e" / "flush": {"rows"}, "rows": all three (key
 "part"), "load_average_start" / "load_average_end"}}.
 Each row has "variants" (per variant: {"cpu_us"|"wall_us": {median, q1, q3, iqr, min, max, n}}),
-"ratios" (e.g. "patched/upstream": {"cpu", "wall", "rounds_cpu": spread of per-round ratios}) and
-"verdict" (PASS / FAIL; e2e / lru rows whose two runs did different work or raised: n/a).
-Exit status: 0 when the run completed (whatever the verdicts; --strict: 1 if any FAILs), 2 on error.
+"ratios" (e.g. "patched/upstream": {"cpu", "wall": ratio of medians, "rounds_cpu": spread of
+per-round ratios, "paired_cpu" / "paired_wall": {diff, diff_lo, diff_hi (µs, ~95% interval),
+ratio, ratio_lo, ratio_hi, n}}) and "verdict" (PASS / FAIL; e2e / lru rows whose two runs did
+different work or raised: n/a). Section 2 and 6a rows are judged by "paired_<clock>" of the ratio
+named by "judged" (section 2) and also carry "outcomes" (what each variant's add_request did),
+"overhead_us" (paired extra µs, patched vs unpatched) and "source_verdict" (PASS / FAIL / DIFFERS:
+the source-patched add_request did other work / n/a).
+Exit status: 0 when the run completed (whatever the verdicts; --strict: 1 if any runtime-patch
+verdict is not PASS), 2 on error (bad arguments, a worker failed, the JSON could not be written).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import types
@@ -73,6 +84,7 @@ from rich.console import Console  # noqa: E402
 from benchmarks import report as bench_report  # noqa: E402
 from benchmarks.runner import SECTIONS, WU_PARTS, run, settings  # noqa: E402
 from benchmarks.trees import DEFAULT_SEARCH  # noqa: E402
+from megatron_ext.mcore import SUPPORTED_RELEASES  # noqa: E402
 
 
 def section_list(text: str) -> list[str]:
@@ -93,12 +105,34 @@ def wu_part_list(text: str) -> list[str]:
     return names
 
 
+def json_path(text: str) -> Path:
+    """A file path the report can be written to (its directory is made if missing)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: give a file path, e.g. {path / 'bench.json'}")
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {ancestor} is not a writable directory")
+    return path
+
+
+def release_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SUPPORTED_RELEASES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unsupported release(s) {unknown or text!r}: choose from {', '.join(SUPPORTED_RELEASES)}")
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     summary, _, details = __doc__.partition("\n\n")
     parser = argparse.ArgumentParser(description=summary, epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--short", action="store_true", help="tiny sizes, few repetitions (CI smoke run)")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the full report as JSON")
+    parser.add_argument("--json", type=json_path, metavar="PATH", help="also write the full report as JSON")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="clock the PASS/FAIL verdicts use (default: cpu)")
     parser.add_argument("--trees", type=Path, action="append", metavar="DIR",
@@ -110,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--release-rounds", type=int, help="override section 1's rounds")
     parser.add_argument("--e2e-runs", type=int, help="override section 3's runs per variant")
     parser.add_argument("--lru-runs", type=int, help="override section 5's runs per variant")
-    parser.add_argument("--wu-releases", type=lambda t: [v.strip() for v in t.split(",") if v.strip()],
+    parser.add_argument("--wu-releases", type=release_list,
                         metavar="VERSIONS", help="section 6's releases, comma-separated (default: "
                         "0.19.2,0.18.2,0.17.1; --short: 0.19.2)")
     parser.add_argument("--wu-parts", type=wu_part_list, metavar="PARTS",
@@ -142,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         config.wu_parts = args.wu_parts
     if args.wu_e2e_runs:
         config.wu_e2e_runs = args.wu_e2e_runs
-    console = Console(width=max(Console().width, 220) if not sys.stdout.isatty() else None)
+    # In a log (not a terminal) the tables get the width they need: section 2's has 17 columns.
+    console = Console(width=max(Console().width, 320) if not sys.stdout.isatty() else None)
     err = Console(stderr=True, soft_wrap=True)
     progress = (lambda message: None) if args.quiet else (lambda message: err.print(f"[dim]{message}[/]"))
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
@@ -151,11 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a worker failed, no tree could be found, ...
         err.print(f"[bold red]bench failed:[/] {type(exc).__name__}: {exc}")
         return 2
+    bench_report.print_report(report, console)  # first: a JSON that cannot be written loses nothing shown
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-    bench_report.print_report(report, console)
-    if args.json:
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=1))
+        except OSError as exc:
+            err.print(f"[bold red]bench failed:[/] cannot write the JSON report to {args.json}: "
+                      f"{exc.strerror or exc} (choose a writable file path; the tables above are complete)")
+            return 2
         console.print(f"JSON report: {args.json}")
     failed = any(r["verdict"] != "PASS" for s in args.sections for r in report[s]["rows"])
     return 1 if (args.strict and failed) else 0
