@@ -24,6 +24,8 @@ def cpu_view(owner: Any, name: str) -> Any:
         AttributeError: ``owner`` has no attribute ``name``.
     """
     tensor = getattr(owner, name)
+    if tensor.device.type != "cpu":  # the tensor itself: nothing to keep (a kept reference would
+        return tensor  # hold GPU memory a RECOMPUTE suspend deletes the attribute to free)
     views = owner.__dict__.get(VIEWS_ATTR)
     if views is None:
         views = owner.__dict__[VIEWS_ATTR] = {}
@@ -31,6 +33,6 @@ def cpu_view(owner: Any, name: str) -> Any:
         cached = views.get(name)
         if cached is not None and cached[0] is tensor:
             return cached[1]
-    view = tensor.numpy() if tensor.device.type == "cpu" else tensor
+    view = tensor.numpy()
     views[name] = (tensor, view)
     return view
