@@ -17,3 +17,5 @@ from megatron_ext.patches import ALL_PATCHES
 import megatron_ext.api as api
 left = sorted({n for p in ALL_PATCHES for t in p.wrappers() for n in patching.installed_patches(t)})
 print("left installed after the failed apply:", left)
+megatron_ext.revert()
+print("after revert, add_request is the foreign wrapper again:", C.__dict__["add_request"] is traced)
