@@ -118,8 +118,9 @@ def _guarded(original: Any, guarded: Guarded) -> tuple[Callable, tuple]:
              "value": guarded.value}
     params, call, args, kwargs = _same_signature(original, names)
     self_name = call[0] if call else ""
-    if not self_name.isidentifier():  # no parameter, or *args first: no instance to test
-        raise TypeError(f"a guarded wrapper needs a method taking the instance first, not {original.__qualname__}")
+    if not self_name.isidentifier():  # no parameter, or *args first (a transparent decorator's
+        # ``functools.wraps`` wrapper): the instance is the first argument given, as before 723e8b6
+        return _generic_guard(guarded, passthrough, original.__get__), (test, passthrough)
     source = (f"def patched({', '.join(params)}):\n"
               f"    if {self_name}.{guarded.attribute} != {_NS}value:\n"
               f"        return {_NS}passthrough({', '.join(call)})\n"
@@ -128,6 +129,19 @@ def _guarded(original: Any, guarded: Guarded) -> tuple[Callable, tuple]:
     namespace = {_NS + key: value for key, value in names.items()}
     exec(compile(source, f"<megatron-ext guard of {original.__qualname__}>", "exec"), namespace)
     return namespace["patched"], (test, passthrough)
+
+
+def _generic_guard(guarded: Guarded, passthrough: Callable, bind: Callable) -> Callable:
+    """The guard for a function whose own parameter list names no instance (``(*args, **kwargs)``):
+    the wrapper gets the arguments as they were passed."""
+    wrapper, attribute, value = guarded.wrapper, guarded.attribute, guarded.value
+
+    def patched(self, /, *args, **kwargs):
+        if getattr(self, attribute) != value:
+            return passthrough(self, *args, **kwargs)
+        return wrapper(bind(self), self, args, kwargs)
+
+    return patched
 
 
 #: Prefix of every name a generated function reads from its namespace (none is a parameter name).

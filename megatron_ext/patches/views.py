@@ -1,4 +1,4 @@
-"""NumPy views of megatron-core's CPU bookkeeping tensors, kept per owner.
+"""NumPy views of megatron-core's CPU bookkeeping tensors, kept on the tensors themselves.
 
 On the admission path a torch indexing call costs 1 to 4 µs (its dispatch, on a cold cache after
 an engine step); the same read or write through a NumPy view of a CPU tensor costs a fraction
@@ -11,26 +11,25 @@ from __future__ import annotations
 
 from typing import Any
 
-#: Attribute kept on an owner (a context or an allocator): ``{name: (tensor, view)}``.
-VIEWS_ATTR = "_megatron_ext_numpy_views"
+#: Attribute kept on a CPU tensor: a NumPy view of its memory. The view refers to an alias of the
+#: tensor, not to the tensor object, so the tensor is freed when its owner lets go of it (a
+#: RECOMPUTE-mode suspend deletes the context's tensors to free them), view and all; and a view
+#: kept on the tensor is always a view of the tensor the owner holds now.
+VIEW_ATTR = "_megatron_ext_numpy_view"
 
 
 def cpu_view(owner: Any, name: str) -> Any:
     """``getattr(owner, name)`` (a tensor) as a NumPy view sharing its memory where it lives on the
-    CPU, else the tensor itself. The view is kept on ``owner`` and made again when the attribute
-    holds another tensor, so a write never goes to a tensor the owner has replaced.
+    CPU, else the tensor itself.
 
     Raises:
         AttributeError: ``owner`` has no attribute ``name``.
     """
     tensor = getattr(owner, name)
-    views = owner.__dict__.get(VIEWS_ATTR)
-    if views is None:
-        views = owner.__dict__[VIEWS_ATTR] = {}
-    else:
-        cached = views.get(name)
-        if cached is not None and cached[0] is tensor:
-            return cached[1]
-    view = tensor.numpy() if tensor.device.type == "cpu" else tensor
-    views[name] = (tensor, view)
+    view = tensor.__dict__.get(VIEW_ATTR)
+    if view is not None:
+        return view
+    if tensor.device.type != "cpu":
+        return tensor
+    view = tensor.__dict__[VIEW_ATTR] = tensor.numpy()
     return view

@@ -1,0 +1,41 @@
+"""Attack (2026-12-03): a guarded wrapper over a target that carries a transparent decorator
+(``functools.wraps`` around ``(*args, **kwargs)``: a profiler's or NVTX range's). Fingerprints
+see through ``__wrapped__``, so the patch is applicable, and before 723e8b6 it installed; the
+generated wrapper now refuses such a function (TypeError), and ``megatron_ext.apply()`` raises
+with some patches left installed."""
+
+from __future__ import annotations
+
+import functools
+
+from megatron_ext.patching import Guarded, wrap_method
+
+
+class Traced:
+    flag = True
+
+    def method(self, a, b=2):
+        return a, b
+
+
+_plain = Traced.__dict__["method"]
+
+
+@functools.wraps(_plain)
+def _traced(*args, **kwargs):
+    return _plain(*args, **kwargs)
+
+
+def test_a_guard_installs_over_a_transparent_decorator():
+    seen = []
+
+    def wrapper(wrapped, instance, args, kwargs):
+        seen.append((args, kwargs))
+        return wrapped(*args, **kwargs)
+
+    patched = wrap_method(_traced, Guarded(wrapper, "flag"), "t")
+    on, off = Traced(), Traced()
+    off.flag = False
+    assert patched(on, 1) == (1, 2) and patched(on, 1, b=3) == (1, 3)
+    assert patched(off, 5, b=6) == (5, 6)
+    assert seen == [((1,), {}), ((1,), {"b": 3})]

@@ -1,0 +1,40 @@
+"""Attack (2026-12-03): the NumPy views kept per owner (megatron_ext/patches/views.py) hold the
+tensors they were made of. A suspend in RECOMPUTE mode (``deallocate_inference_state_buffers``)
+deletes every tensor attribute of the context to free its memory; the views dict is not a tensor,
+so it survives and keeps the deleted bookkeeping tensors alive (on 0.17 they live on the GPU)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from megatron_ext import mcore
+from megatron_ext.cpu_backend import cuda_on_cpu
+from megatron_ext.harness.factories import small_prefix_caching_context
+
+from .context_factory import BLOCK, make_request
+from .test_lru_faults import KV_BYTES_PER_BLOCK
+
+
+def test_recompute_suspend_frees_the_bookkeeping_tensors(runtime_patches_either_order):
+    if not runtime_patches_either_order:
+        pytest.skip("unpatched: no views are kept")
+    prompt = list(range(10_000, 10_000 + 4 * BLOCK))
+    with cuda_on_cpu():
+        ctx = small_prefix_caching_context(
+            "LRU", block_size_tokens=BLOCK, buffer_size_gb=32 * KV_BYTES_PER_BLOCK / 2**30,
+            max_requests=8, max_tokens=512, max_sequence_length=512,
+        )
+        ctx.prefix_cache_lru_clock += 1
+        ctx.add_request(make_request(1, prompt))
+        ctx.add_request(make_request(2, prompt + [7] * BLOCK))  # a match: views of the tables are made
+        names = ("request_to_kv_block_ids", "request_kv_block_counts", "token_to_block_idx")
+        alive = {name: weakref.ref(getattr(ctx, name)) for name in names}
+        mode = mcore.import_module("megatron.core.inference.config").KVCacheManagementMode
+        ctx.kv_cache_management_mode = mode.RECOMPUTE
+        ctx.deallocate_inference_state_buffers()
+        gc.collect()
+        still_alive = sorted(name for name, ref in alive.items() if ref() is not None)
+        assert still_alive == [], f"deleted by the suspend but still alive: {still_alive}"
