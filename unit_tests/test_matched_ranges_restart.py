@@ -1,4 +1,4 @@
-"""Attack (2026-12-03): fix 2 (runtime patch, or source patch with MEGATRON_EXT_TEST_SOURCE_PATCHED=1)
+"""Fix 2 (runtime patch, or source patch with MEGATRON_EXT_TEST_SOURCE_PATCHED=1)
 on a request restarted after eviction: its matched ranges from the first attempt must be dropped,
 so that the restarted prefill, which matches nothing (REF_ZERO deregistered the blocks), writes
 every token into its own blocks."""

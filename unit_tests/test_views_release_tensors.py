@@ -1,7 +1,6 @@
-"""Attack (2026-12-03): the NumPy views kept per owner (megatron_ext/patches/views.py) hold the
-tensors they were made of. A suspend in RECOMPUTE mode (``deallocate_inference_state_buffers``)
-deletes every tensor attribute of the context to free its memory; the views dict is not a tensor,
-so it survives and keeps the deleted bookkeeping tensors alive (on 0.17 they live on the GPU)."""
+"""The NumPy views of megatron_ext/patches/views.py keep no bookkeeping tensor alive: a suspend in
+RECOMPUTE mode (``deallocate_inference_state_buffers``) deletes every tensor attribute of the
+context to free its memory (on 0.17 GPU memory), and the tensors must then be freed."""
 
 from __future__ import annotations
 

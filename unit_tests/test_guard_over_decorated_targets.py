@@ -1,8 +1,7 @@
-"""Attack (2026-12-03): a guarded wrapper over a target that carries a transparent decorator
-(``functools.wraps`` around ``(*args, **kwargs)``: a profiler's or NVTX range's). Fingerprints
-see through ``__wrapped__``, so the patch is applicable, and before 723e8b6 it installed; the
-generated wrapper now refuses such a function (TypeError), and ``megatron_ext.apply()`` raises
-with some patches left installed."""
+"""A guarded wrapper over a target that carries a transparent decorator (``functools.wraps``
+around ``(*args, **kwargs)``: a profiler's or NVTX range's). Fingerprints see through
+``__wrapped__``, so the patch applies; the guard then takes the instance as the first argument
+given (the generic guard) instead of refusing the function and leaving ``apply()`` half done."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Attack (2026-12-03): leaf-first's block-table links (scalar writes through NumPy views) under
+"""Leaf-first's block-table links (scalar writes through NumPy views) under
 chunked prefill: chunks ending inside blocks, so a chunk's registration starts at the previous
 chunk's partial block, and a second request matching part of the first one's blocks in its second
 chunk. Expected books: each registered block's parent is the entry before it in its table."""
