@@ -67,6 +67,7 @@ import shlex
 import sys
 import types
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -87,22 +88,21 @@ from benchmarks.trees import DEFAULT_SEARCH  # noqa: E402
 from megatron_ext.mcore import SUPPORTED_RELEASES  # noqa: E402
 
 
-def section_list(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in SECTIONS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown section(s) {unknown or text!r}: choose from {', '.join(SECTIONS)}")
-    return names
+def choice_list(kind: str, choices) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated, non-empty list of ``choices`` (else one error line
+    naming the unknown ``kind`` and the choices)."""
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"{kind} {unknown or text!r}: choose from {', '.join(choices)}")
+        return names
+    return parse
 
 
-def wu_part_list(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in WU_PARTS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown part(s) {unknown or text!r}: choose from {', '.join(WU_PARTS)}")
-    return names
+section_list = choice_list("unknown section(s)", SECTIONS)
+wu_part_list = choice_list("unknown part(s)", WU_PARTS)
+release_list = choice_list("unsupported release(s)", SUPPORTED_RELEASES)
 
 
 def json_path(text: str) -> Path:
@@ -116,15 +116,6 @@ def json_path(text: str) -> Path:
     if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: {ancestor} is not a writable directory")
     return path
-
-
-def release_list(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in SUPPORTED_RELEASES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unsupported release(s) {unknown or text!r}: choose from {', '.join(SUPPORTED_RELEASES)}")
-    return names
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

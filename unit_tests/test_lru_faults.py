@@ -40,12 +40,31 @@ def hashes(tokens: list[int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def four_block_lru_context():
+def lru_context(usable_blocks: int = 4, max_tokens: int = 256):
+    """A real LRU context with ``usable_blocks`` KV blocks (and the dummy block), inside the CUDA
+    stand-ins (0.17's ``add_request`` asks CUDA for its device)."""
     with cuda_on_cpu():
         yield small_prefix_caching_context(
-            "LRU", block_size_tokens=BLOCK, buffer_size_gb=5 * KV_BYTES_PER_BLOCK / 2**30,
-            max_requests=8, max_tokens=256, max_sequence_length=256,
+            "LRU", block_size_tokens=BLOCK, buffer_size_gb=(usable_blocks + 1) * KV_BYTES_PER_BLOCK / 2**30,
+            max_requests=8, max_tokens=max_tokens, max_sequence_length=max_tokens,
         )
+
+
+def four_block_lru_context():
+    return lru_context()
+
+
+def predecessor_books(total: int, rows: list[list[int]]) -> tuple[list[int], list[int]]:
+    """``(block_parent_id, block_child_count)`` as 0.19 keeps them for the block-table ``rows``
+    given: each block's parent is the entry before it in its row (-1 first)."""
+    parents, children = [-1] * total, [0] * total
+    for row in rows:
+        for parent, block in zip([-1, *row[:-1]], row):
+            parents[block] = parent
+    for block in {block for row in rows for block in row}:
+        if parents[block] >= 0:
+            children[parents[block]] += 1
+    return parents, children
 
 
 def step(ctx, *requests) -> None:
@@ -274,24 +293,13 @@ def test_long_and_short_registration_runs_link_each_block_to_its_table_predecess
     ``reset`` does (NumPy views of the tables stay valid)."""
     long_prompt = list(range(10_000, 10_000 + 40 * BLOCK))
     extended = long_prompt[: 35 * BLOCK] + list(range(20_000, 20_000 + 5 * BLOCK))
-    with cuda_on_cpu():
-        ctx = small_prefix_caching_context(
-            "LRU", block_size_tokens=BLOCK, buffer_size_gb=96 * KV_BYTES_PER_BLOCK / 2**30,
-            max_requests=8, max_tokens=2048, max_sequence_length=2048,
-        )
+    with lru_context(usable_blocks=95, max_tokens=2048) as ctx:
         ctx.prefix_cache_lru_clock += 1
         ctx.add_request(make_request(1, long_prompt))
         ctx.add_request(make_request(2, extended))
         first, second = table(ctx, 40), table(ctx, 40, row=1)
         assert second[:35] == first[:35] and not set(second[35:]) & set(first)
-        expected_parents = [-1] * ctx.kv_block_allocator.total_count
-        expected_children = [0] * ctx.kv_block_allocator.total_count
-        for row in (first, second):
-            for parent, block in zip([-1, *row[:-1]], row):
-                expected_parents[block] = parent
-        for block in set(first) | set(second):
-            if expected_parents[block] >= 0:
-                expected_children[expected_parents[block]] += 1
+        expected_parents, expected_children = predecessor_books(ctx.kv_block_allocator.total_count, [first, second])
         assert expected_children[first[34]] == 2  # first[35] and second[35]
         assert forest(ctx) == (expected_parents, expected_children)
         allocator = ctx.kv_block_allocator

@@ -5,11 +5,8 @@ chunk. Expected books: each registered block's parent is the entry before it in 
 
 from __future__ import annotations
 
-from megatron_ext.cpu_backend import cuda_on_cpu
-from megatron_ext.harness.factories import small_prefix_caching_context
-
 from .context_factory import BLOCK, finish_chunk, make_request
-from .test_lru_faults import KV_BYTES_PER_BLOCK, forest, table
+from .test_lru_faults import forest, lru_context, predecessor_books, table
 
 
 def chunked(ctx, req, sizes):
@@ -20,17 +17,9 @@ def chunked(ctx, req, sizes):
 
 
 def test_chunked_registrations_link_to_table_predecessors(runtime_patches_either_order):
-    if not runtime_patches_either_order:
-        return  # unpatched: no forest
     p1 = list(range(10_000, 10_000 + 5 * BLOCK))
     p2 = p1[: 3 * BLOCK] + list(range(20_000, 20_000 + 3 * BLOCK))
-    with cuda_on_cpu():
-        ctx = small_prefix_caching_context(
-            "LRU", block_size_tokens=BLOCK, buffer_size_gb=64 * KV_BYTES_PER_BLOCK / 2**30,
-            max_requests=8, max_tokens=2048, max_sequence_length=2048,
-        )
-        if not hasattr(ctx.kv_block_allocator, "block_parent_id"):
-            return
+    with lru_context(usable_blocks=63, max_tokens=2048) as ctx:
         ctx.prefix_cache_lru_clock += 1
         r1, r2 = make_request(1, p1), make_request(2, p2)
         chunked(ctx, r1, [24, 24, 24, 8])
@@ -39,12 +28,4 @@ def test_chunked_registrations_link_to_table_predecessors(runtime_patches_either
         chunked(ctx, r2, [20, 40, 36])
         first, second = table(ctx, 5), table(ctx, 6, row=1)
         assert second[:3] == first[:3] and not set(second[3:]) & set(first)
-        alloc = ctx.kv_block_allocator
-        parents, children = [-1] * alloc.total_count, [0] * alloc.total_count
-        for row in (first, second):
-            for parent, block in zip([-1, *row[:-1]], row):
-                parents[block] = parent
-        for block in set(first) | set(second):
-            if parents[block] >= 0:
-                children[parents[block]] += 1
-        assert forest(ctx) == (parents, children)
+        assert forest(ctx) == predecessor_books(ctx.kv_block_allocator.total_count, [first, second])

@@ -7,25 +7,15 @@ from __future__ import annotations
 import gc
 import weakref
 
-import pytest
-
 from megatron_ext import mcore
-from megatron_ext.cpu_backend import cuda_on_cpu
-from megatron_ext.harness.factories import small_prefix_caching_context
 
 from .context_factory import BLOCK, make_request
-from .test_lru_faults import KV_BYTES_PER_BLOCK
+from .test_lru_faults import lru_context
 
 
 def test_recompute_suspend_frees_the_bookkeeping_tensors(runtime_patches_either_order):
-    if not runtime_patches_either_order:
-        pytest.skip("unpatched: no views are kept")
     prompt = list(range(10_000, 10_000 + 4 * BLOCK))
-    with cuda_on_cpu():
-        ctx = small_prefix_caching_context(
-            "LRU", block_size_tokens=BLOCK, buffer_size_gb=32 * KV_BYTES_PER_BLOCK / 2**30,
-            max_requests=8, max_tokens=512, max_sequence_length=512,
-        )
+    with lru_context(usable_blocks=31, max_tokens=512) as ctx:
         ctx.prefix_cache_lru_clock += 1
         ctx.add_request(make_request(1, prompt))
         ctx.add_request(make_request(2, prompt + [7] * BLOCK))  # a match: views of the tables are made
