@@ -20,6 +20,7 @@ from megatron_ext.harness.cases import load_case, parse_case
 from megatron_ext.harness.checkpoint import save_checkpoint
 from megatron_ext.harness.engine import build_model, ensure_model_parallel
 from megatron_ext.harness.recorded import compare_recorded, pair_runs
+from megatron_ext.harness.report import spanning_versions
 from megatron_ext.harness.soak import soak_case
 from megatron_ext.harness.weight_updates import weights_sha256
 
@@ -97,6 +98,14 @@ def test_perturb_with_invalidate_prefix_cache_is_bit_identical(tmp_path):
         # sits cached at ref count 0, so none is freed
         assert (update.blocks_unreachable, update.blocks_freed) == (3, 0)
     assert len({u.weights_sha256 for run in result.runs for u in run.updates}) == 1
+    # per generated token, the weight version of its logits and the oldest of its KV prefix: r0 is
+    # in flight across the update (7 tokens before it), r1 finished before it, r2 came after it
+    for run in result.runs:
+        versions = {o.label: o.weight_versions for o in run.outputs.values()}
+        assert versions["r0.s0"] == {"logits": [0] * 7 + [1] * 5, "kv_prefix": [0] * 12}
+        assert versions["r1.s0"] == versions["r1.s1"] == {"logits": [0] * 4, "kv_prefix": [0] * 4}
+        assert versions["r2.s0"] == versions["r2.s1"] == {"logits": [1] * 4, "kv_prefix": [1] * 4}
+    assert spanning_versions(result).splitlines()[0] == "A: caching off: tokens spanning weight versions: r0.s0 (v0-1)"
     # the JSON keeps what compare reads, plus rounds and stale hits
     path = tmp_path / "ab.json"
     path.write_text(json.dumps(result.as_json()))
@@ -104,6 +113,7 @@ def test_perturb_with_invalidate_prefix_cache_is_bit_identical(tmp_path):
     assert data["stale_hits"] == 0 and data["weight_updates"]["update_at_steps"] == [7]
     assert [r["round"] for r in data["requests"]] == [0, 0, 0, 1, 1]
     assert data["policies"][1]["run"]["updates"][0]["invalidation"] == "invalidated"
+    assert data["policies"][1]["run"]["outputs"]["0"]["weight_versions"]["logits"] == [0] * 7 + [1] * 5
     comparison = compare_recorded(*pair_runs(f"{path}:off", f"{path}:lru")[0])
     assert comparison.bit_identical
 

@@ -13,6 +13,7 @@ from .patches import ALL_PATCHES
 
 if TYPE_CHECKING:
     from .patches.weight_update_invalidation import InvalidationResult
+    from .patches.weight_versions import TokenWeightVersions
 
 # One lock for every apply/revert, so concurrent callers never see half-applied patch sets.
 _LOCK = threading.RLock()
@@ -96,13 +97,15 @@ def apply(force: bool | None = None, strict: bool = False) -> list[PatchResult]:
         results = []
         for patch, plan in zip(ALL_PATCHES, plans):
             if patch.name in skipped:
-                results.append(plan)
+                result = plan
             elif plan.state is PatchState.APPLICABLE:
                 patch.install()
                 _INSTALLED.append(patch)
-                results.append(patch.result(PatchState.APPLIED, plan.reason, plan.evidence))
+                result = patch.result(PatchState.APPLIED, plan.reason, plan.evidence)
             else:
-                results.append(plan)
+                result = plan
+            patch.settled(result)
+            results.append(result)
         return results
 
 
@@ -118,11 +121,14 @@ def revert() -> list[PatchResult]:
             patch = _INSTALLED.pop()
             if patch.uninstall():
                 reverted.add(patch.name)
-        return [
+        results = [
             patch.result(PatchState.REVERTED, "original functions restored") if patch.name in reverted
             else patch.result(PatchState.NOT_APPLIED, "was not applied")
             for patch in ALL_PATCHES
         ]
+        for patch, result in zip(ALL_PATCHES, results):
+            patch.settled(result)
+        return results
 
 
 def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
@@ -143,8 +149,10 @@ def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
         target: a ``DynamicInferenceEngine`` or a ``DynamicInferenceContext``.
 
     Returns:
-        :class:`~megatron_ext.patches.weight_update_invalidation.InvalidationResult` (``kept=True``
-        and nothing done under ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep``).
+        :class:`~megatron_ext.patches.weight_update_invalidation.InvalidationResult`: the counts and
+        the new weight version; ``kept=True`` and nothing done (a warning, once, through the
+        ``megatron_ext`` logger) when the last :func:`apply` ran under
+        ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep``. A flush that leaves anything matchable warns too.
 
     Raises:
         TypeError: ``target`` is neither an engine nor a context.
@@ -152,7 +160,6 @@ def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
             (call :func:`apply` first) and the installed code is not source-patched; without
             either, a chunked prefill straddling the update would register blocks computed from
             the old weights' KV.
-        MegatronExtError: ``MEGATRON_EXT_ON_WEIGHT_UPDATE`` has a bad value.
     """
     from .patches import weight_update_invalidation as fault8
 
@@ -160,19 +167,47 @@ def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
     if not hasattr(context, "kv_block_allocator"):
         raise TypeError(f"invalidate_prefix_cache takes a DynamicInferenceEngine or DynamicInferenceContext, "
                         f"not {type(target).__name__}")
-    if fault8.on_weight_update_mode() == "keep":
-        return fault8.InvalidationResult(kept=True)
     patch = next(p for p in ALL_PATCHES if p.name == "weight-update-invalidation")
     with _LOCK:
         if patch.is_applied():
             return fault8.flush(context)
+        if patch.mode == "keep":
+            fault8.warn_once("keep", f"invalidate_prefix_cache did nothing: {fault8.ON_WEIGHT_UPDATE_ENV}=keep at "
+                             "megatron_ext.apply(), so prefix-cached KV of the old weights stays matchable")
+            return fault8.InvalidationResult(kept=True)
         try:
             source_patched = not patch.needed()[0]
         except Exception:  # an unreadable source is no evidence of the fix (as in plan())
             source_patched = False
     if source_patched:
         unreachable, freed = context.invalidate_prefix_cache()
-        return fault8.InvalidationResult(blocks_unreachable=unreachable, blocks_freed=freed)
+        return fault8.checked(context, fault8.InvalidationResult(unreachable, freed, epoch=context.prefix_cache_epoch))
     raise WeightUpdatePatchNotApplied(
         "invalidate_prefix_cache needs the weight-update-invalidation patch: call megatron_ext.apply() "
         "first (megatron_ext.status() says why it is not applied)")
+
+
+def token_weight_versions(request: Any) -> "TokenWeightVersions":
+    """The weight version behind each generated token of a request the engine ran (fault 8's books).
+
+    A weight version is the engine context's prefix-cache epoch: 0 for the weights it started with,
+    +1 at each weight update the patch saw (``resume()`` after ``suspend()``,
+    ``swap_model_weights``, :func:`invalidate_prefix_cache`). A request in flight across an update
+    shows two: its later tokens' logits come from the new weights while their KV prefix holds the
+    old weights' KV.
+
+    Args:
+        request: the ``DynamicInferenceRequest`` (or, 0.18+, the ``DynamicInferenceRequestRecord``)
+            the engine ran, in the process that ran it.
+
+    Returns:
+        :class:`~megatron_ext.patches.weight_versions.TokenWeightVersions`: per generated token,
+        ``logits`` and ``kv_prefix`` (oldest) versions.
+
+    Raises:
+        WeightVersionsNotRecorded: admitted while the ``weight-update-invalidation`` patch was not
+            applied (or under ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep``), or a merged / deserialized copy.
+    """
+    from .patches.weight_versions import token_weight_versions as versions
+
+    return versions(request)

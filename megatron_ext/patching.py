@@ -478,6 +478,10 @@ class Patch(ABC):
 
     # -- apply / revert ----------------------------------------------------------------------
 
+    def settled(self, result: PatchResult) -> None:
+        """Called by :func:`megatron_ext.apply` and :func:`megatron_ext.revert` with what they did
+        to this patch (nothing to remember by default)."""
+
     def install(self) -> None:
         """Wrap every target. Callers hold the global lock and have checked :meth:`plan`."""
         for target, wrapper in self.wrappers().items():

@@ -28,6 +28,7 @@ from megatron_ext.errors import MegatronExtError, WeightUpdatePatchNotApplied
 from megatron_ext.harness.factories import small_prefix_caching_context
 from megatron_ext.patches import ALL_PATCHES
 from megatron_ext.patches import weight_update_invalidation as fault8
+from megatron_ext.patches import weight_versions
 
 from .conftest import SOURCE_PATCHED, UNPATCHED
 from .context_factory import BLOCK, finish_chunk, make_request
@@ -89,7 +90,7 @@ def test_cached_and_live_blocks_become_unmatchable_and_the_books_stay_whole(ctx)
 
     result = invalidate(ctx)
 
-    assert result == fault8.InvalidationResult(blocks_unreachable=2, blocks_freed=1 if lru(ctx) else 0)
+    assert result == fault8.InvalidationResult(blocks_unreachable=2, blocks_freed=1 if lru(ctx) else 0, epoch=1)
     assert registered(ctx) == {} and allocator.kv_hash_to_block_id == {}
     assert ref_counts(ctx)[5:8] == [0, 1, 1]  # A's holder keeps its blocks
     assert allocator.total_avail == avail_before + (1 if lru(ctx) else 0)  # cached B back in the pool
@@ -142,13 +143,88 @@ def test_a_chunked_prefill_straddling_the_update_neither_matches_nor_registers(c
     assert allocator.kv_hash_to_block_id == {h: b for b, h in zip(fresh, hashes)}
     if not UNPATCHED and not SOURCE_PATCHED:  # set aside until it starts over
         assert straddler.precomputed_block_hashes == []
-        assert straddler.__dict__[fault8.STASHED_HASHES_ATTR] == hashes
+        assert weight_versions.books_of(straddler).stashed_hashes == hashes
     if not UNPATCHED:  # the source patch restamps at the first prefix match too (hashes kept)
         # Started over from scratch (RECOMPUTE, or evicted and re-added): current again, it
         # matches the blocks cached after the update.
         straddler.finished_chunk_token_count = 0
         assert ctx._find_kv_match_count(straddler, 0, 3) == (fresh, hashes[2])
         assert straddler.precomputed_block_hashes == hashes
+
+
+def begin_unseen(context, request) -> None:
+    """The request's first chunk runs where the patch cannot see it: under released code (the
+    patch reverted, runtime) or with no epoch recorded (a request from before the source patch)."""
+    if SOURCE_PATCHED:
+        context.add_request(request, 24)
+        request.prefix_cache_epoch = None
+    else:
+        megatron_ext.revert()
+        context.add_request(request, 24)
+        megatron_ext.apply()
+    finish_chunk(context, request, 24)
+
+
+def test_a_prefill_begun_before_apply_and_straddling_an_update_is_stale(ctx):
+    """A request whose prefill began before the patch saw it counts as older than any update."""
+    prompt = A + B
+    hashes = make_request(0, prompt).precomputed_block_hashes
+    straddler = make_request(1, prompt)
+    begin_unseen(ctx, straddler)  # row 0: blocks [6, 7]; block 6 registered by the released code
+    invalidate(ctx)
+    allocator = ctx.kv_block_allocator
+    fresh = allocator.allocate_memory_blocks(3).tolist()
+    allocator.register_kv_block_hashes(fresh, hashes)
+    matched = ctx.prefix_cache_blocks_matched
+    ctx.add_request(straddler, 24)  # unpatched 0.19: KeyError; 0.17/0.18: matches and registers
+    assert ctx.prefix_cache_blocks_matched == matched
+    assert table(ctx, 0, 3) == [6, 7, 2]
+    assert registered(ctx) == dict(zip(fresh, hashes))
+
+
+@pytest.mark.skipif(SOURCE_PATCHED, reason="revert() undoes megatron-ext's runtime patch")
+def test_revert_gives_stale_requests_their_hashes_back_and_apply_counts_as_an_update(ctx):
+    prompt = A + B
+    hashes = make_request(0, prompt).precomputed_block_hashes
+    straddler = make_request(1, prompt)
+    ctx.add_request(straddler, 24)
+    finish_chunk(ctx, straddler, 24)
+    invalidate(ctx)
+    assert ctx._find_kv_match_count(straddler, 0, 3) == ([], 0)  # stale: hashes set aside
+    epoch = fault8.context_epoch(ctx)
+    megatron_ext.revert()
+    assert straddler.precomputed_block_hashes == hashes  # as the released code expects
+    assert not [key for key in vars(straddler) if "megatron_ext" in key]
+    refit = importlib.import_module(fault8.REFIT_MODULE)
+    with pytest.raises(TypeError):  # a swap the reverted patch cannot see
+        refit.swap_model_weights(None, None, refit_method=object())
+    megatron_ext.apply()
+    ctx.add_request(make_request(2, B))  # the first match after apply() flushes
+    assert fault8.context_epoch(ctx) == (epoch if UNPATCHED else epoch + 1)
+
+
+@pytest.mark.parametrize("stage", ["queued", "chunked", "stale", "finished"])
+def test_requests_and_records_round_trip_after_the_patches_touched_them(ctx, stage):
+    """``deserialize(serialize())`` of a request at each stage of a straddling prefill (and of
+    its 0.18+ record) gives back the same fields."""
+    request = make_request(1, A + B)
+    if stage != "queued":
+        ctx.add_request(request, 24)
+        finish_chunk(ctx, request, 24)
+    if stage in ("stale", "finished"):
+        invalidate(ctx)
+        ctx.add_request(request, 24)
+    if stage == "finished":
+        finish_chunk(ctx, request, 24)
+        request.generated_tokens = [7, 8]
+    fields = ("request_id", "finished_chunk_token_count", "precomputed_block_hashes", "generated_tokens")
+    again = type(request).deserialize(request.serialize())  # the patches' books are not in the wire
+    assert [getattr(again, f) for f in fields] == [getattr(request, f) for f in fields]
+    record_type = getattr(importlib.import_module("megatron.core.inference.inference_request"),
+                          "DynamicInferenceRequestRecord", None)
+    if record_type is not None:  # 0.18+
+        again = record_type.deserialize(record_type.from_request(request).serialize())
+        assert [getattr(again[-1], f) for f in fields] == [getattr(request, f) for f in fields]
 
 
 def test_a_request_queued_before_the_update_matches_only_blocks_cached_after_it(ctx):
@@ -204,7 +280,7 @@ def test_swap_model_weights_is_restored_by_revert(runtime_patches):
 def test_invalidate_is_idempotent(ctx):
     ctx.add_request(make_request(1, A))
     first, second = invalidate(ctx), invalidate(ctx)
-    assert (first.blocks_unreachable, second) == (2, fault8.InvalidationResult())
+    assert (first.blocks_unreachable, second) == (2, fault8.InvalidationResult(epoch=2))
 
 
 @pytest.mark.skipif(UNPATCHED, reason="the API itself is megatron-ext's")
@@ -219,14 +295,41 @@ def test_api_takes_an_engine_or_a_context_and_refuses_anything_else(ctx):
 @pytest.mark.skipif(UNPATCHED, reason="the API itself is megatron-ext's")
 @pytest.mark.skipif(SOURCE_PATCHED, reason="keep governs the runtime patch; source-patched code always "
                     "invalidates (test_source_patched_tree_needs_no_runtime_patch_and_the_api_flushes_it)")
-def test_keep_leaves_the_patch_out_and_invalidate_does_nothing(ctx, monkeypatch):
+def test_keep_leaves_the_patch_out_and_invalidate_does_nothing(ctx, monkeypatch, caplog):
+    """The mode is read once, by apply(): changing the variable afterwards changes nothing, and
+    the no-op says so (once) through the megatron_ext logger."""
     megatron_ext.revert()
     monkeypatch.setenv(fault8.ON_WEIGHT_UPDATE_ENV, "keep")
     state = {r.patch: r for r in megatron_ext.apply()}["weight-update-invalidation"]
     assert state.state.value == "not applied" and "MEGATRON_EXT_ON_WEIGHT_UPDATE=keep" in state.reason
+    monkeypatch.delenv(fault8.ON_WEIGHT_UPDATE_ENV)
+    monkeypatch.setattr(fault8, "_warned", set())
     ctx.add_request(make_request(1, A))
-    assert megatron_ext.invalidate_prefix_cache(ctx) == fault8.InvalidationResult(kept=True)
+    with caplog.at_level("WARNING", logger="megatron_ext"):
+        assert megatron_ext.invalidate_prefix_cache(ctx) == fault8.InvalidationResult(kept=True)
+        assert megatron_ext.invalidate_prefix_cache(ctx) == fault8.InvalidationResult(kept=True)
+    assert [r.getMessage() for r in caplog.records if r.name == "megatron_ext"] == [
+        "invalidate_prefix_cache did nothing: MEGATRON_EXT_ON_WEIGHT_UPDATE=keep at megatron_ext.apply(), so "
+        "prefix-cached KV of the old weights stays matchable"]
     assert len(registered(ctx)) == 2
+    megatron_ext.revert()
+    megatron_ext.apply()  # invalidate now; a later keep in the environment does not undo it
+    monkeypatch.setenv(fault8.ON_WEIGHT_UPDATE_ENV, "keep")
+    assert megatron_ext.invalidate_prefix_cache(ctx).blocks_unreachable == 2
+
+
+@pytest.mark.skipif(UNPATCHED or SOURCE_PATCHED, reason="the runtime flush's own check")
+def test_a_flush_that_leaves_a_block_matchable_says_so(ctx, monkeypatch, caplog):
+    ctx.add_request(make_request(1, A))
+    allocator = ctx.kv_block_allocator
+    # something outside megatron-ext keeps one entry: the flush must not pass silently
+    monkeypatch.setattr(allocator, "kv_hash_to_block_id",
+                        type("KeepsEntries", (dict,), {"clear": lambda self: None})(allocator.kv_hash_to_block_id))
+    monkeypatch.setattr(fault8, "_warned", set())
+    with caplog.at_level("WARNING", logger="megatron_ext"):
+        result = megatron_ext.invalidate_prefix_cache(ctx)
+    assert (result.blocks_unreachable, result.still_matchable) == (2, 2)
+    assert "2 prefix-cache entries are still matchable" in caplog.text
 
 
 @pytest.mark.skipif(UNPATCHED, reason="the API itself is megatron-ext's")
@@ -298,7 +401,8 @@ def test_api_calls_the_contexts_own_flush_where_the_runtime_patch_is_not_needed(
     calls = []
 
     class SourcePatchedContext:
-        kv_block_allocator = object()
+        kv_block_allocator = types.SimpleNamespace(block_hashes=torch.full((4,), -1), kv_hash_to_block_id={})
+        prefix_cache_epoch = 5
 
         def invalidate_prefix_cache(self):
             calls.append("context")
@@ -308,5 +412,5 @@ def test_api_calls_the_contexts_own_flush_where_the_runtime_patch_is_not_needed(
     patch = next(p for p in ALL_PATCHES if p.name == "weight-update-invalidation")
     monkeypatch.setattr(patch, "needed", lambda: (False, "source-patched"))
     engine = type("Engine", (), {"context": SourcePatchedContext()})()
-    assert megatron_ext.invalidate_prefix_cache(engine) == fault8.InvalidationResult(3, 2)
+    assert megatron_ext.invalidate_prefix_cache(engine) == fault8.InvalidationResult(3, 2, epoch=5)
     assert calls == ["context"]

@@ -271,6 +271,8 @@ def _output_json(output: RequestOutput) -> dict[str, Any]:
               "token_steps": output.token_steps}
     if output.top_n_logprobs is not None:  # only when asked for (--top-n-logprobs)
         fields["top_n_logprobs"] = output.top_n_logprobs
+    if output.weight_versions is not None:  # recorded by the weight-update patch
+        fields["weight_versions"] = output.weight_versions
     return fields
 
 

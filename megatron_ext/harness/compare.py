@@ -27,6 +27,9 @@ class RequestOutput:
         top_n_logprobs: megatron-core's top-n log-probs of each generated token
             (``SamplingParams.top_n_logprobs``), per token its ``(token text, log-prob)`` pairs in
             the engine's order; None when not asked for.
+        weight_versions: per generated token, the weight version of its logits (``"logits"``) and
+            the oldest one of its KV prefix (``"kv_prefix"``)
+            (:func:`megatron_ext.token_weight_versions`); None where not recorded.
     """
 
     request_id: int
@@ -36,6 +39,12 @@ class RequestOutput:
     log_probs: list[float] = field(default_factory=list)
     token_steps: list[int] = field(default_factory=list)
     top_n_logprobs: Optional[list[list[tuple[str, float]]]] = None
+    weight_versions: Optional[dict[str, list[int]]] = None
+
+    @property
+    def versions(self) -> list[int]:
+        """Every weight version the request's tokens depend on, ascending ([] if not recorded)."""
+        return sorted({v for per_token in (self.weight_versions or {}).values() for v in per_token})
 
 
 @dataclass

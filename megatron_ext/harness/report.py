@@ -85,6 +85,7 @@ def updates_table(result: ABResult) -> Table:
                         f"{', '.join(map(str, spec.update_at_steps))}, {how}")
     for column in ("run", "update", "step", "in flight", "trained on", "loss", "weights = A's", "prefix cache"):
         table.add_column(column, justify="right" if column != "run" else "left")
+    table.caption = spanning_versions(result)
     digests = {u.index: u.weights_sha256 for u in result.baseline.updates}
     for run in result.runs:
         for u in run.updates:
@@ -93,6 +94,19 @@ def updates_table(result: ABResult) -> Table:
                           "-" if u.loss is None else f"{u.loss:.4f}",
                           _yes_no(digests.get(u.index) == u.weights_sha256), _invalidation(u))
     return table
+
+
+def spanning_versions(result: ABResult) -> str:
+    """Per run, the requests whose tokens depend on more than one weight version (logits of one,
+    KV of another: in flight across an update), from the per-token weight versions."""
+    lines = []
+    for run in result.runs:
+        spans = [f"{o.label} (v{'-'.join(map(str, o.versions))})" for o in run.outputs.values() if len(o.versions) > 1]
+        unknown = sum(o.weight_versions is None and bool(o.tokens) for o in run.outputs.values())
+        text = ", ".join(spans[:6]) + (f", ... ({len(spans)})" if len(spans) > 6 else "") if spans else "none"
+        lines.append(f"{run.label}: tokens spanning weight versions: {text}"
+                     + (f"; {unknown} requests without recorded versions" if unknown else ""))
+    return "\n".join(lines)
 
 
 def trainer_table(result: ABResult) -> Table:

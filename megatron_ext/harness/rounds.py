@@ -55,16 +55,19 @@ def make_update(engine: Any, context: Any, updater: WeightUpdater, audit: Contex
 
 
 def _invalidate(engine: Any, context: Any, record: UpdateRecord) -> None:
-    """What a loop without suspend/resume calls after an update; fills ``record.invalidation``."""
-    if not context.enable_prefix_caching:
-        record.invalidation = "caching off"
-        return
+    """What a loop without suspend/resume calls after an update; fills ``record.invalidation``.
+    Called with caching off too: the flush moves the weight version the tokens are recorded under."""
     from .. import invalidate_prefix_cache
     from ..errors import WeightUpdatePatchNotApplied
 
     try:
         result = invalidate_prefix_cache(engine)
     except WeightUpdatePatchNotApplied:
+        result = None
+    if not context.enable_prefix_caching:
+        record.invalidation = "caching off"
+        return
+    if result is None:
         record.invalidation = "patch not applied"
         return
     record.invalidation = "kept" if result.kept else "invalidated"

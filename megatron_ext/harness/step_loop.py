@@ -106,6 +106,7 @@ def merged_record(record: Any) -> Any:
 
 
 def _finish(output: RequestOutput, record: Any) -> None:
+    output.weight_versions = _weight_versions(record)
     merged = merged_record(record)
     output.tokens = [int(t) for t in merged.generated_tokens]
     output.log_probs = [float(x) for x in (merged.generated_log_probs or [])]
@@ -113,6 +114,18 @@ def _finish(output: RequestOutput, record: Any) -> None:
         # dicts keyed by token text, in the engine's order (largest first)
         output.top_n_logprobs = [[(str(k), float(v)) for k, v in entry.items()]
                                  for entry in (merged.generated_top_n_logprobs or [])]
+
+
+def _weight_versions(record: Any) -> Optional[dict[str, list[int]]]:
+    """The finished request's per-token weight versions (the engine's record: one request per
+    eviction), or None where the weight-update patch did not record them."""
+    from ..patches.weight_versions import WeightVersionsNotRecorded, token_weight_versions
+
+    try:
+        versions = token_weight_versions(record)
+    except WeightVersionsNotRecorded:
+        return None
+    return {"logits": list(versions.logits), "kv_prefix": list(versions.kv_prefix)}
 
 
 def step_until_done(

@@ -62,12 +62,12 @@ FINGERPRINTS = {
 #: whole series applies, so these include the later patches that edit add_request too (fixes 4
 #: and 8; on 0.17/0.18 H5's, which records the chunk's Mamba match).
 SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
-    "0.17.0": {"DynamicInferenceContext.add_request": "7cd123218b92d13a"},
-    "0.17.1": {"DynamicInferenceContext.add_request": "7cd123218b92d13a"},
-    "0.18.0": {"DynamicInferenceContext.add_request": "ae3d2dc360ac4ab6"},
-    "0.18.2": {"DynamicInferenceContext.add_request": "ae3d2dc360ac4ab6"},
-    "0.19.0": {"DynamicInferenceContext.add_request": "f539c9eadcd2a9ce"},
-    "0.19.2": {"DynamicInferenceContext.add_request": "f539c9eadcd2a9ce"},
+    "0.17.0": {"DynamicInferenceContext.add_request": "14474a760d91bb97"},
+    "0.17.1": {"DynamicInferenceContext.add_request": "14474a760d91bb97"},
+    "0.18.0": {"DynamicInferenceContext.add_request": "df08d3f81779aad8"},
+    "0.18.2": {"DynamicInferenceContext.add_request": "df08d3f81779aad8"},
+    "0.19.0": {"DynamicInferenceContext.add_request": "64bbf53e2dabd540"},
+    "0.19.2": {"DynamicInferenceContext.add_request": "64bbf53e2dabd540"},
 }
 
 

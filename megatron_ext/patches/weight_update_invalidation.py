@@ -17,21 +17,32 @@ a live request holds:
   loses its hash: its hash-map entry goes, ``block_hashes`` becomes -1 and it leaves the prefix
   forest, so nothing can match it; its holders keep reading it and release it as an ordinary
   private block (the released ``release_memory_blocks`` frees ref-0 blocks without a hash);
-- each context counts its flushes (``epoch``); a request is stamped with the epoch in which its
-  prefill began, and a request from an older epoch (a chunked prefill straddling the update)
-  neither matches nor registers blocks for the rest of its prefill: its KV depends on the old
-  weights' KV of its first chunks. Both are done in ``_find_kv_match_count``, which every prefix
-  match goes through and which ``add_request`` calls before it allocates or registers: one
-  wrapper on the admission path (the stale request's ``precomputed_block_hashes`` are set aside
-  until it starts its prefill over, so ``add_request`` registers none of them).
+- each context counts its flushes (``epoch``: the weight version its forward passes run under);
+  a request's books (:mod:`.weight_versions`, kept beside the request object, never in its
+  ``__dict__``, which ``serialize()`` copies) hold the epoch in which its prefill began. A request
+  from an older epoch, or one whose prefill began before the patch saw it (before ``apply()`` or
+  while reverted: older than any update), is stale for the rest of its prefill (a chunked prefill
+  straddling the update: its KV depends on the old weights' KV of its first chunks): it neither
+  matches nor registers blocks. Both are done in ``_find_kv_match_count``, which every prefix
+  match goes through and which ``add_request`` calls before it allocates or registers: the stale
+  request's ``precomputed_block_hashes`` are set aside until it starts its prefill over
+  (``revert()`` gives them back), so ``add_request`` registers none of them.
+- the same books record, per generated token, the epoch of its logits and the oldest epoch of its
+  KV prefix (:func:`megatron_ext.token_weight_versions`).
 
 An update is recognised in three places: ``DynamicInferenceContext.reinitialize_inference_state_buffers``
 when it really reallocates (that is ``DynamicInferenceEngine.resume()`` after ``suspend()``, in
 every ``kv_cache_management_mode``); ``swap_model_weights`` (it bumps a process-wide weight
-version that each context compares at its next prefix match, so the flush happens on the engine's
-own thread, at the same step on every rank); and the explicit
-:func:`megatron_ext.invalidate_prefix_cache`. ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep`` leaves the
-patch out (upstream behaviour). No upstream change to mirror: no release and not upstream main
+version that each context compares at its next prefix match or engine step
+(``initialize_attention_state``), so the flush happens on the engine's own thread, at the same
+step on every rank); and the explicit :func:`megatron_ext.invalidate_prefix_cache`. The swap is
+process-wide: every context of the process flushes, a reference model's engine too (a lost cache
+hit there, never a stale one). The wrapper replaces ``swap_model_weights`` in every loaded module
+that holds it under that name; a reference kept under another name or in a container before
+``apply()`` calls the released function, which no context sees: call ``invalidate_prefix_cache``
+after it. ``apply()`` after a ``revert()`` counts as an update (swaps made while reverted went
+unseen). ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep``, read by ``apply()``, leaves the patch out
+(upstream behaviour). No upstream change to mirror: no release and not upstream main
 (2026-08-22) invalidates or salts the prefix cache on a weight update.
 
 The source patches of ``patches/`` (``0006-weight-update-invalidation`` on 0.17/0.18,
@@ -44,6 +55,8 @@ whatever ``MEGATRON_EXT_ON_WEIGHT_UPDATE`` says: revert the source patches for u
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import sys
 import threading
 from dataclasses import dataclass
@@ -54,6 +67,7 @@ import torch
 from .. import mcore
 from ..env import choice
 from ..patching import Guarded, Patch, PatchResult, PatchState, Target
+from . import weight_versions
 
 ON_WEIGHT_UPDATE_ENV = "MEGATRON_EXT_ON_WEIGHT_UPDATE"
 ON_WEIGHT_UPDATE_MODES = ("invalidate", "keep")
@@ -64,6 +78,8 @@ ADD_REQUEST = Target(mcore.DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_
 FIND_MATCH = Target(mcore.DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._find_kv_match_count")
 REINITIALIZE = Target(mcore.DYNAMIC_CONTEXT_MODULE,
                       "DynamicInferenceContext.reinitialize_inference_state_buffers")
+# Called once per engine step, before the forward pass, in every release.
+STEP = Target(mcore.DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.initialize_attention_state")
 # Relied on: the flush deregisters through it, and releases of unhashed blocks free them.
 DEREGISTER = Target(mcore.KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator._deregister_blocks")
 RELEASE = Target(mcore.KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.release_memory_blocks")
@@ -74,10 +90,6 @@ SWAP = "swap_model_weights"
 #: Per context: flushes so far (the epoch); the process weight version it last flushed for.
 EPOCH_ATTR = "_megatron_ext_prefix_cache_epoch"
 SEEN_VERSION_ATTR = "_megatron_ext_weight_version_seen"
-#: Per request: the context epoch in which its prefill began (stamped at its first prefix match);
-#: a stale request's block hashes, set aside until it starts its prefill over.
-REQUEST_EPOCH_ATTR = "_megatron_ext_prefill_epoch"
-STASHED_HASHES_ATTR = "_megatron_ext_stale_block_hashes"
 #: The source-patched context's own flush count (patches/: ``prefix_cache_epoch``).
 SOURCE_EPOCH_ATTR = "prefix_cache_epoch"
 
@@ -88,11 +100,14 @@ _COMMON = {
 }
 _V017 = {**_COMMON,
          "DynamicInferenceContext.add_request": "8ac0ab32824d8700",
+         "DynamicInferenceContext.initialize_attention_state": "a990b02d340bcf5c",
          "KVBlockAllocator._deregister_blocks": "b13538964dfdc5ea",
          "KVBlockAllocator.release_memory_blocks": "acb2ad5b0c79cfc8"}
-_V018 = {**_V017, "DynamicInferenceContext.add_request": "0babd74ab35ee1e0"}
+_V018 = {**_V017, "DynamicInferenceContext.add_request": "0babd74ab35ee1e0",
+         "DynamicInferenceContext.initialize_attention_state": "ce34d2567e28c6b0"}
 _V019 = {**_COMMON,
          "DynamicInferenceContext.add_request": "534c2a2ae3b4f713",
+         "DynamicInferenceContext.initialize_attention_state": "979282c8de905400",
          "KVBlockAllocator._deregister_blocks": "020a9b57fd732f2c",
          "KVBlockAllocator.release_memory_blocks": "8ba279d0ba796a52"}
 FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018,
@@ -101,20 +116,23 @@ FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V0
 #: The three wrapped functions after the source patches of ``patches/`` (already fixed code);
 #: recorded with ``scripts/record_fingerprints.py --source-patched``.
 _SOURCE_COMMON = {
-    "DynamicInferenceContext._find_kv_match_count": "3c776c75b1b8d21f",
+    "DynamicInferenceContext._find_kv_match_count": "0589939aa9523018",
     "DynamicInferenceContext.reinitialize_inference_state_buffers": "35077e02b99f9b94",
 }
-_SOURCE_V017 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "7cd123218b92d13a"}
-_SOURCE_V018 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "ae3d2dc360ac4ab6"}
-_SOURCE_V019 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "f539c9eadcd2a9ce"}
+_SOURCE_V017 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "14474a760d91bb97"}
+_SOURCE_V018 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "df08d3f81779aad8"}
+_SOURCE_V019 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "64bbf53e2dabd540"}
 SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
     "0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "0.18.0": _SOURCE_V018, "0.18.2": _SOURCE_V018,
     "0.19.0": _SOURCE_V019, "0.19.2": _SOURCE_V019}
 
-#: Bumped by every ``swap_model_weights`` call; contexts flush when theirs is behind.
+#: Bumped by every ``swap_model_weights`` call, and by ``apply()`` after a ``revert()`` (swaps made
+#: meanwhile went unseen); contexts flush when theirs is behind.
 _current_version = 0
 # One flush at a time, whoever asks (the engine's thread, a trainer thread calling the API).
 _LOCK = threading.RLock()
+_log = logging.getLogger("megatron_ext")
+_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -126,16 +144,24 @@ class InvalidationResult:
             stay allocated to their holders and go back to the free pool when released).
         blocks_freed: cached blocks at ref count 0 (LRU), deregistered and returned to the
             free pool.
-        kept: True when ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep``: nothing was done.
+        kept: True when ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep`` was in force at ``apply()``: nothing
+            was done.
+        epoch: the context's weight version after the flush (its flush count); None when kept.
+        still_matchable: blocks a request could still match afterwards (0 unless something
+            outside megatron-ext re-registered them meanwhile; a warning names them).
     """
 
     blocks_unreachable: int = 0
     blocks_freed: int = 0
     kept: bool = False
+    epoch: Optional[int] = None
+    still_matchable: int = 0
 
 
 def on_weight_update_mode() -> str:
-    """``MEGATRON_EXT_ON_WEIGHT_UPDATE``: ``invalidate`` (default) or ``keep``.
+    """``MEGATRON_EXT_ON_WEIGHT_UPDATE``: ``invalidate`` (default) or ``keep``. Read by ``apply()``
+    and ``status()`` only: the patch and :func:`megatron_ext.invalidate_prefix_cache` follow what
+    the last ``apply()`` read.
 
     Raises:
         MegatronExtError: any other value (named, with the accepted ones).
@@ -143,12 +169,20 @@ def on_weight_update_mode() -> str:
     return choice(ON_WEIGHT_UPDATE_ENV, ON_WEIGHT_UPDATE_MODES)
 
 
+def warn_once(key: str, message: str) -> None:
+    """Warn through the ``megatron_ext`` logger, once per process for each ``key``."""
+    if key not in _warned:
+        _warned.add(key)
+        _log.warning(message)
+
+
 def _runtime_epoch(context: Any) -> int:
     return context.__dict__.get(EPOCH_ATTR, 0)
 
 
 def context_epoch(context: Any) -> int:
-    """How many times this context's prefix cache was flushed (0 before the first flush).
+    """How many times this context's prefix cache was flushed (0 before the first flush): the
+    weight version its next forward pass runs under.
 
     The runtime patch's count once it has flushed the context; otherwise a source-patched
     context's own ``prefix_cache_epoch`` (0 on released code, which never flushes).
@@ -169,11 +203,13 @@ def flush(context: Any) -> InvalidationResult:
         hold are unchanged.
     """
     with _LOCK:
-        context.__dict__[EPOCH_ATTR] = _runtime_epoch(context) + 1
+        epoch = _runtime_epoch(context) + 1
+        context.__dict__[EPOCH_ATTR] = epoch
         context.__dict__[SEEN_VERSION_ATTR] = _current_version
+        weight_versions.note_flush(context, epoch)
         allocator = context.kv_block_allocator
         if not allocator.enable_prefix_caching:
-            return InvalidationResult()
+            return InvalidationResult(epoch=epoch)
         registered = torch.nonzero(allocator.block_hashes != -1).flatten()
         held = allocator.block_ref_counts[registered] > 0
         cached, live = registered[~held], registered[held]
@@ -183,7 +219,18 @@ def flush(context: Any) -> InvalidationResult:
         if live.numel():
             _unhash_live_blocks(allocator, live)
         allocator.kv_hash_to_block_id.clear()  # every registered block is gone from it now
-        return InvalidationResult(int(live.numel()), int(cached.numel()))
+        return checked(context, InvalidationResult(int(live.numel()), int(cached.numel()), epoch=epoch))
+
+
+def checked(context: Any, result: InvalidationResult) -> InvalidationResult:
+    """``result`` with the blocks a request could still match after a flush counted; a warning
+    (once) names them, so that a flush never does nothing silently."""
+    allocator = context.kv_block_allocator
+    left = int((allocator.block_hashes != -1).sum()) + len(allocator.kv_hash_to_block_id)
+    if left:
+        warn_once("still-matchable", f"invalidate_prefix_cache: {left} prefix-cache entries are still matchable "
+                  "after the flush (something re-registered blocks meanwhile); their KV may be the old weights'")
+    return dataclasses.replace(result, still_matchable=left)
 
 
 def _unhash_live_blocks(allocator: Any, blocks: torch.Tensor) -> None:
@@ -202,11 +249,23 @@ def _unhash_live_blocks(allocator: Any, blocks: torch.Tensor) -> None:
 
 
 def _sync_weight_version(context: Any) -> None:
-    """Flush ``context`` if ``swap_model_weights`` ran since it last flushed."""
+    """Flush ``context`` if ``swap_model_weights`` ran (or ``apply()`` followed a ``revert()``)
+    since it last flushed. A context met for the first time flushes only if it already caches
+    blocks (the patch cannot know their weights); an empty one keeps epoch 0."""
     if SWAP_HOOK.pending:
         SWAP_HOOK.wrap_if_ready()
-    if context.__dict__.get(SEEN_VERSION_ATTR, 0) != _current_version:
+    state = context.__dict__
+    if SEEN_VERSION_ATTR not in state and not _has_cached_blocks(context):
+        state[SEEN_VERSION_ATTR] = _current_version  # first met, nothing cached: nothing to flush
+    elif state.get(SEEN_VERSION_ATTR, 0) != _current_version:
         flush(context)
+
+
+def _has_cached_blocks(context: Any) -> bool:
+    """Whether blocks are registered in the context's prefix cache (on a context first met: cached
+    before the patch saw it, by weights it cannot know)."""
+    allocator = context.kv_block_allocator
+    return bool(allocator.enable_prefix_caching and (allocator.block_hashes != -1).any())
 
 
 def _find_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
@@ -214,10 +273,11 @@ def _find_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: di
     (``check_availability``, ``add_request`` before it allocates or registers anything, the
     engine's scheduler), so one wrapper serves all of them and the budgets agree.
 
-    A request that has not begun its prefill (``finished_chunk_token_count == 0``) is stamped with
-    the context's epoch (its hashes back if it was stale before and starts over). A stale request
-    matches nothing, and its block hashes are set aside (``STASHED_HASHES_ATTR``) until it starts
-    over: ``add_request`` registers only the hashes of ``precomputed_block_hashes``, so it
+    A request that has not begun its prefill (``finished_chunk_token_count == 0``) matches as
+    released (its hashes back if it was stale before). One whose prefill began in an older epoch,
+    or before the patch saw it (before ``apply()``, or while reverted: no books, so older than any
+    update), is stale: it matches nothing, and its block hashes are set aside until it starts
+    over, so ``add_request``, which registers only the hashes of ``precomputed_block_hashes``,
     registers nothing either. Inlined: it runs on every admission with prefix caching on
     (guarded: ``enable_prefix_caching``).
     """
@@ -225,15 +285,37 @@ def _find_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: di
     if SWAP_HOOK.pending or state.get(SEEN_VERSION_ATTR, 0) != _current_version:
         _sync_weight_version(context)
     req = kwargs["req"] if "req" in kwargs else args[0]
-    epoch, stamps = state.get(EPOCH_ATTR, 0), req.__dict__
+    books = weight_versions.books_of(req)
     if req.finished_chunk_token_count == 0:  # a new request, or one re-added from scratch
-        stamps[REQUEST_EPOCH_ATTR] = epoch
-        if STASHED_HASHES_ATTR in stamps:
-            req.precomputed_block_hashes = stamps.pop(STASHED_HASHES_ATTR)
-    elif stamps.get(REQUEST_EPOCH_ATTR, epoch) != epoch:  # its prefill straddles a flush
-        if STASHED_HASHES_ATTR not in stamps:
-            stamps[STASHED_HASHES_ATTR], req.precomputed_block_hashes = req.precomputed_block_hashes, []
+        if books is not None and books.stashed_hashes is not None:
+            req.precomputed_block_hashes, books.stashed_hashes = books.stashed_hashes, None
+    elif books is None or books.prefill_epoch != state.get(EPOCH_ATTR, 0):  # straddles a flush
+        if books is None:
+            books = weight_versions.open_books(req, context, None)
+        if books.stashed_hashes is None:
+            books.stashed_hashes, req.precomputed_block_hashes = req.precomputed_block_hashes, []
         return [], 0
+    return wrapped(*args, **kwargs)
+
+
+def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
+    """``add_request(req, prefill_chunk_length=None)``: a first chunk (or a start over) opens the
+    request's books in the current epoch, after a flush if the weights were swapped."""
+    req = kwargs["req"] if "req" in kwargs else args[0]
+    if req.finished_chunk_token_count == 0:
+        state = context.__dict__
+        if SWAP_HOOK.pending or state.get(SEEN_VERSION_ATTR, 0) != _current_version:
+            _sync_weight_version(context)
+        weight_versions.open_books(req, context, state.get(EPOCH_ATTR, 0))
+    return wrapped(*args, **kwargs)
+
+
+def _step_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
+    """``initialize_attention_state(...)``: once per engine step, before the forward pass. A swap
+    since the last flush flushes here at the latest, so that the epoch (the weight version the
+    tokens are recorded under) moves with the weights even in steps that admit nobody."""
+    if SWAP_HOOK.pending or context.__dict__.get(SEEN_VERSION_ATTR, 0) != _current_version:
+        _sync_weight_version(context)
     return wrapped(*args, **kwargs)
 
 
@@ -248,7 +330,7 @@ def _reinitialize_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: 
 
 
 def _swap_wrapper(wrapped: Callable, _instance: Any, args: tuple, kwargs: dict):
-    """``swap_model_weights(...)``: every context flushes at its next prefix match."""
+    """``swap_model_weights(...)``: every context flushes at its next prefix match or step."""
     global _current_version
     try:
         return wrapped(*args, **kwargs)
@@ -258,7 +340,8 @@ def _swap_wrapper(wrapped: Callable, _instance: Any, args: tuple, kwargs: dict):
 
 
 class WeightUpdateInvalidationPatch(Patch):
-    """Flushes the prefix cache at each weight update (see module docstring)."""
+    """Flushes the prefix cache at each weight update and records each request's weight versions
+    (see module docstring)."""
 
     name = "weight-update-invalidation"
     fingerprints = FINGERPRINTS
@@ -267,13 +350,21 @@ class WeightUpdateInvalidationPatch(Patch):
     fault_evidence = ("no megatron-core release up to 0.19.2 (nor upstream main) drops or salts the "
                       "prefix cache when weights change")
 
+    def __init__(self) -> None:
+        super().__init__()
+        #: What the last ``apply()`` read from ``MEGATRON_EXT_ON_WEIGHT_UPDATE``; None before one,
+        #: after ``revert()``, or where the patch was refused or skipped.
+        self.mode: Optional[str] = None
+        self._reverted = False
+
     def wrappers(self) -> dict[Target, Callable | Guarded]:
         return {FIND_MATCH: Guarded(_find_match_wrapper, "enable_prefix_caching"),
+                ADD_REQUEST: _add_request_wrapper,
+                STEP: _step_wrapper,
                 REINITIALIZE: _reinitialize_wrapper}
 
     def checked_functions(self) -> tuple[Target, ...]:
-        return (*self.wrappers(), ADD_REQUEST, DEREGISTER, RELEASE)
-
+        return (*self.wrappers(), DEREGISTER, RELEASE)
 
     def plan(self, version: str, force: bool) -> PatchResult:
         if on_weight_update_mode() == "keep" and not self.is_applied():
@@ -287,12 +378,27 @@ class WeightUpdateInvalidationPatch(Patch):
                                "is reused across weight updates (upstream behaviour)")
         return super().plan(version, force)
 
+    def settled(self, result: PatchResult) -> None:
+        # one reading: invalidate_prefix_cache follows the mode the last apply() acted on
+        if result.state is PatchState.NOT_APPLIED and ON_WEIGHT_UPDATE_ENV in result.reason:
+            self.mode = "keep"
+        elif result.state in (PatchState.APPLIED, PatchState.NOT_NEEDED):
+            self.mode = "invalidate"
+        else:  # reverted, refused, skipped
+            self.mode = None
+
     def install(self) -> None:
+        global _current_version
         super().install()
         SWAP_HOOK.install()
+        if self._reverted:  # weights may have been swapped unseen while reverted
+            with _LOCK:
+                _current_version += 1
 
     def uninstall(self) -> bool:
         SWAP_HOOK.uninstall()
+        weight_versions.restore_all_hashes()
+        self._reverted = True
         return super().uninstall()
 
 

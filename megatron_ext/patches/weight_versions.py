@@ -1,0 +1,175 @@
+"""Per-request books of the ``weight-update-invalidation`` patch (fault 8), kept beside the request.
+
+megatron-core serializes a request by copying its ``__dict__`` (``InferenceRequest.serialize``)
+and rebuilds it with ``cls(**obj)``: any attribute megatron-ext set there breaks that round trip.
+The books live here instead, keyed by the request object through a weak reference (they go when
+the request goes). A *weight version* is a context's prefix-cache epoch: the number of weight
+updates (flushes) that context has seen; version 0 is the weights it started with.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from ..errors import MegatronExtError
+
+
+class WeightVersionsNotRecorded(MegatronExtError):
+    """The request's weight versions were not recorded (the message says why)."""
+
+
+@dataclass(eq=False)
+class RequestBooks:
+    """What the patch knows of one request object.
+
+    Attributes:
+        prefill_epoch: the context epoch in which the request's current prefill began (its first
+            chunk, or its start over after an eviction); None when it began before the patch saw it
+            (before ``apply()``, or while reverted): older than any update.
+        context: a weak reference to the context that runs the request.
+        stashed_hashes: a stale request's ``precomputed_block_hashes``, set aside (the request holds
+            ``[]`` meanwhile so that ``add_request`` registers none) until it starts over or
+            :func:`restore_all_hashes` puts them back.
+        logits: ``(first generated-token index, epoch)`` boundaries: the weights that computed the
+            logits each generated token was sampled from.
+        kv: ``(first generated-token index, epoch)`` boundaries: the oldest weights that computed
+            any KV in that token's prefix (the epoch its prefill began in).
+    """
+
+    prefill_epoch: Optional[int]
+    context: Optional[weakref.ref] = None
+    stashed_hashes: Optional[list[int]] = None
+    logits: list[tuple[int, int]] = field(default_factory=list)
+    kv: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TokenWeightVersions:
+    """The weight version behind each generated token of one request (see module docstring).
+
+    Attributes:
+        logits: per generated token, the version whose forward pass produced the logits it was
+            sampled from.
+        kv_prefix: per generated token, the oldest version that computed any KV the token attended
+            to (prompt KV, matched prefix-cache blocks, earlier generated tokens).
+    """
+
+    logits: tuple[int, ...]
+    kv_prefix: tuple[int, ...]
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """Every version any token of the request depends on, ascending."""
+        return tuple(sorted({*self.logits, *self.kv_prefix}))
+
+    @property
+    def spans_versions(self) -> bool:
+        """Whether the request's tokens depend on more than one version of the weights."""
+        return len(self.versions) > 1
+
+
+# id(request) -> (weak reference, books). A request dataclass is unhashable (eq=True), so no
+# WeakKeyDictionary; the weak reference's callback drops the entry when the request is freed.
+_BOOKS: dict[int, tuple[weakref.ref, RequestBooks]] = {}
+
+
+def books_of(request: Any) -> Optional[RequestBooks]:
+    """The books of ``request``, or None if the patch never saw its prefill begin."""
+    entry = _BOOKS.get(id(request))
+    return entry[1] if entry is not None else None
+
+
+def open_books(request: Any, context: Any, epoch: Optional[int]) -> RequestBooks:
+    """Books for a request whose prefill begins now in ``context``, at ``epoch`` (first chunk, or a
+    start over): tokens it generates from here on depend on KV of this epoch and on logits of this
+    one until the next flush. ``epoch=None``: a request met mid-prefill, its weights unknown
+    (nothing is marked; its tokens' versions are not recorded)."""
+    books = books_of(request)
+    if books is None:
+        key = id(request)
+        books = RequestBooks(epoch)
+        _BOOKS[key] = (weakref.ref(request, lambda _ref, key=key: _BOOKS.pop(key, None)), books)
+    books.prefill_epoch, books.context = epoch, weakref.ref(context)
+    if epoch is not None:
+        generated = len(request.generated_tokens or ())
+        _mark(books.kv, generated, epoch)
+        _mark(books.logits, generated, epoch)
+    return books
+
+
+def note_flush(context: Any, epoch: int) -> None:
+    """A flush moved ``context`` to ``epoch``: the next tokens of its unfinished requests are
+    sampled from logits of that epoch."""
+    for request, books in live_requests():
+        if books.logits and books.context() is context and not _finished(request):
+            _mark(books.logits, len(request.generated_tokens or ()), epoch)
+
+
+def _finished(request: Any) -> bool:
+    return getattr(request.status, "name", None) in ("COMPLETED", "FAILED")
+
+
+def _mark(boundaries: list[tuple[int, int]], index: int, epoch: int) -> None:
+    if boundaries and boundaries[-1][0] == index:
+        boundaries[-1] = (index, epoch)  # nothing generated under the previous one
+    elif not boundaries or boundaries[-1][1] != epoch:
+        boundaries.append((index, epoch))
+
+
+def live_requests() -> Iterator[tuple[Any, RequestBooks]]:
+    """Every request object still alive that has books, with them."""
+    for ref, books in list(_BOOKS.values()):
+        request = ref()
+        if request is not None:
+            yield request, books
+
+
+def restore_all_hashes() -> None:
+    """Give every stale request its block hashes back (``revert()``: the released code expects a
+    request to carry its own hashes)."""
+    for request, books in live_requests():
+        if books.stashed_hashes is not None:
+            request.precomputed_block_hashes, books.stashed_hashes = books.stashed_hashes, None
+
+
+def _expand(boundaries: list[tuple[int, int]], count: int) -> list[int]:
+    versions = []
+    for i, (start, epoch) in enumerate(boundaries):
+        end = boundaries[i + 1][0] if i + 1 < len(boundaries) else count
+        versions.extend([epoch] * (min(end, count) - min(start, count)))
+    return versions
+
+
+def token_weight_versions(request: Any) -> TokenWeightVersions:
+    """The weight version behind each generated token of a request the engine ran.
+
+    Args:
+        request: a ``DynamicInferenceRequest`` the engine ran, or a ``DynamicInferenceRequestRecord``
+            (0.18+: one request object per eviction; their tokens in order). Not a merged or
+            deserialized copy: the books follow the object the engine ran, in its process.
+
+    Returns:
+        :class:`TokenWeightVersions`, one entry per generated token.
+
+    Raises:
+        WeightVersionsNotRecorded: the request (or one part of a record) was admitted while the
+            ``weight-update-invalidation`` patch was not applied, or is a copy.
+    """
+    parts = list(getattr(request, "requests", None) or [request])
+    logits: list[int] = []
+    kv: list[int] = []
+    for part in parts:
+        books = books_of(part)
+        count = len(part.generated_tokens or ())
+        if count == 0:
+            continue
+        if books is None or not books.kv or books.kv[0][0] > 0:
+            raise WeightVersionsNotRecorded(
+                f"request {part.request_id}: no weight versions recorded; they are recorded for the request "
+                "objects the engine ran while the weight-update-invalidation patch was applied (megatron_ext.apply() "
+                "before adding requests; pass the engine's record, not a merged or deserialized copy)")
+        logits += _expand(books.logits, count)
+        kv += _expand(books.kv, count)
+    return TokenWeightVersions(tuple(logits), tuple(kv))
