@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_ext import mcore
-from megatron_ext.patches.matched_block_writes import MATCHED_RANGES_ATTR
+from megatron_ext.patches.matched_block_writes import MATCHED_RANGES
 from megatron_ext.patches.release_refcount import RefCountUnderflowError, release_blocks_per_occurrence
 
 from .conftest import SOURCE_PATCHED
@@ -45,7 +45,7 @@ def test_allocation_failure_in_patched_add_request_changes_nothing(runtime_patch
         with pytest.raises(overflow):
             ctx.add_request(second)
         assert books(ctx) == before
-        assert MATCHED_RANGES_ATTR not in second.__dict__
+        assert MATCHED_RANGES.get(second) is None
         monkeypatch.undo()
         # The same request is admitted afterwards, and its recomputed tokens still avoid R1's blocks.
         writes = add_and_collect_writes(ctx, second)

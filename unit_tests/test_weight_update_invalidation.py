@@ -29,6 +29,7 @@ from megatron_ext.harness.factories import small_prefix_caching_context
 from megatron_ext.patches import ALL_PATCHES
 from megatron_ext.patches import weight_update_invalidation as fault8
 from megatron_ext.patches import weight_versions
+from megatron_ext.patches.matched_block_writes import MATCHED_RANGES
 
 from .conftest import SOURCE_PATCHED, UNPATCHED
 from .context_factory import BLOCK, finish_chunk, make_request
@@ -205,12 +206,16 @@ def test_revert_gives_stale_requests_their_hashes_back_and_apply_counts_as_an_up
 
 @pytest.mark.parametrize("stage", ["queued", "chunked", "stale", "finished"])
 def test_requests_and_records_round_trip_after_the_patches_touched_them(ctx, stage):
-    """``deserialize(serialize())`` of a request at each stage of a straddling prefill (and of
-    its 0.18+ record) gives back the same fields."""
+    """``deserialize(serialize())`` of a request at each stage of a straddling prefill that matched
+    a cached block (and of its 0.18+ record) gives back the same fields: the state fixes 2 and 8
+    keep per request is beside it (runtime) or in request fields (source patches)."""
+    ctx.add_request(make_request(9, A))  # row 0: A's two blocks, registered
     request = make_request(1, A + B)
     if stage != "queued":
-        ctx.add_request(request, 24)
+        ctx.add_request(request, 24)  # matches A's two blocks (fix 2 keeps the matched range)
         finish_chunk(ctx, request, 24)
+        if not UNPATCHED:
+            assert (request._matched_kv_token_ranges if SOURCE_PATCHED else MATCHED_RANGES.get(request)) == [(0, 32)]
     if stage in ("stale", "finished"):
         invalidate(ctx)
         ctx.add_request(request, 24)
@@ -386,7 +391,7 @@ def test_source_patched_tree_needs_no_runtime_patch_and_the_api_flushes_it(ctx, 
     assert all(f"{name.split('.')[-1]} {digest}" in state.evidence
                for name, digest in fault8.SOURCE_PATCHED_FINGERPRINTS[mcore_version].items())
     ctx.add_request(make_request(1, A))  # row 0 holds [6, 7]
-    assert megatron_ext.invalidate_prefix_cache(ctx) == fault8.InvalidationResult(blocks_unreachable=2)
+    assert megatron_ext.invalidate_prefix_cache(ctx) == fault8.InvalidationResult(blocks_unreachable=2, epoch=1)
     assert registered(ctx) == {} and fault8.context_epoch(ctx) == ctx.prefix_cache_epoch == 1
     # keep only governs the runtime patch: status says so, the source-patched code still flushes
     monkeypatch.setenv(fault8.ON_WEIGHT_UPDATE_ENV, "keep")

@@ -24,15 +24,16 @@ from typing import Any, Callable
 
 from ..mcore import DYNAMIC_CONTEXT_MODULE
 from ..patching import Guarded, Patch, Target
+from .request_state import RequestSideTable
 from .views import cpu_view
 
 ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
 
-#: Attribute kept on each request: the token-position ranges ``(start, stop)`` of the blocks it got
-#: from a hash match, one range per ``add_request`` call that matched, accumulated over the chunks
-#: of a chunked prefill.
-MATCHED_RANGES_ATTR = "_megatron_ext_matched_token_ranges"
+#: Per request (beside it: ``serialize()`` copies its ``__dict__``): the token-position ranges
+#: ``(start, stop)`` of the blocks it got from a hash match, one range per ``add_request`` call
+#: that matched, accumulated over the chunks of a chunked prefill.
+MATCHED_RANGES: RequestSideTable[list[tuple[int, int]]] = RequestSideTable()
 
 # Recorded from the released wheels with scripts/record_fingerprints.py.
 _V017 = {
@@ -103,8 +104,8 @@ def redirect_matched_block_writes(
 def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict) -> None:
     """Wrapper around ``add_request(req, prefill_chunk_length=None)``.
 
-    The request keeps its matched ranges (``MATCHED_RANGES_ATTR``: ``(start, stop)`` token
-    positions, block aligned, stop exclusive) across the chunks of its prefill; they are dropped
+    The request's matched ranges (``MATCHED_RANGES``, beside the request: ``(start, stop)`` token
+    positions, block aligned, stop exclusive) are kept across the chunks of its prefill; they are dropped
     when its prefill starts over (``finished_chunk_token_count == 0``: a new request, or an
     evicted one added again). Nothing is recorded when ``add_request`` raises (it then admitted
     nothing). It runs on every admission with prefix caching on (guarded:
@@ -113,10 +114,9 @@ def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: d
     """
     req = kwargs["req"] if "req" in kwargs else args[0]
     finished = req.finished_chunk_token_count
-    state = req.__dict__
-    ranges = state.get(MATCHED_RANGES_ATTR)
+    ranges = MATCHED_RANGES.get(req)
     if not finished and ranges is not None:  # a prefill starting over: those ranges are void
-        del state[MATCHED_RANGES_ATTR]
+        MATCHED_RANGES.pop(req)
         ranges = None
     first_slot = context.active_token_count
     matched_before = context.prefix_cache_blocks_matched
@@ -129,7 +129,7 @@ def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: d
         block = context.block_size_tokens
         start = -(-finished // block) * block
         if ranges is None:
-            ranges = state[MATCHED_RANGES_ATTR] = []
+            ranges = MATCHED_RANGES.set(req, [])
         ranges.append((start, start + newly_matched * block))
     if ranges:
         chunk = args[1] if len(args) > 1 else kwargs.get("prefill_chunk_length")

@@ -1,9 +1,7 @@
 """Per-request books of the ``weight-update-invalidation`` patch (fault 8), kept beside the request.
 
-megatron-core serializes a request by copying its ``__dict__`` (``InferenceRequest.serialize``)
-and rebuilds it with ``cls(**obj)``: any attribute megatron-ext set there breaks that round trip.
-The books live here instead, keyed by the request object through a weak reference (they go when
-the request goes). A *weight version* is a context's prefix-cache epoch: the number of weight
+The books live in a :class:`~.request_state.RequestSideTable`, not in the request's ``__dict__``
+(``serialize()`` copies that). A *weight version* is a context's prefix-cache epoch: the number of weight
 updates (flushes) that context has seen; version 0 is the weights it started with.
 """
 
@@ -14,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from ..errors import MegatronExtError
+from .request_state import RequestSideTable
 
 
 class WeightVersionsNotRecorded(MegatronExtError):
@@ -70,15 +69,12 @@ class TokenWeightVersions:
         return len(self.versions) > 1
 
 
-# id(request) -> (weak reference, books). A request dataclass is unhashable (eq=True), so no
-# WeakKeyDictionary; the weak reference's callback drops the entry when the request is freed.
-_BOOKS: dict[int, tuple[weakref.ref, RequestBooks]] = {}
+_BOOKS: RequestSideTable[RequestBooks] = RequestSideTable()
 
 
 def books_of(request: Any) -> Optional[RequestBooks]:
     """The books of ``request``, or None if the patch never saw its prefill begin."""
-    entry = _BOOKS.get(id(request))
-    return entry[1] if entry is not None else None
+    return _BOOKS.get(request)
 
 
 def open_books(request: Any, context: Any, epoch: Optional[int]) -> RequestBooks:
@@ -86,11 +82,7 @@ def open_books(request: Any, context: Any, epoch: Optional[int]) -> RequestBooks
     start over): tokens it generates from here on depend on KV of this epoch and on logits of this
     one until the next flush. ``epoch=None``: a request met mid-prefill, its weights unknown
     (nothing is marked; its tokens' versions are not recorded)."""
-    books = books_of(request)
-    if books is None:
-        key = id(request)
-        books = RequestBooks(epoch)
-        _BOOKS[key] = (weakref.ref(request, lambda _ref, key=key: _BOOKS.pop(key, None)), books)
+    books = _BOOKS.setdefault(request, lambda: RequestBooks(epoch))
     books.prefill_epoch, books.context = epoch, weakref.ref(context)
     if epoch is not None:
         generated = len(request.generated_tokens or ())
@@ -120,10 +112,7 @@ def _mark(boundaries: list[tuple[int, int]], index: int, epoch: int) -> None:
 
 def live_requests() -> Iterator[tuple[Any, RequestBooks]]:
     """Every request object still alive that has books, with them."""
-    for ref, books in list(_BOOKS.values()):
-        request = ref()
-        if request is not None:
-            yield request, books
+    return _BOOKS.items()
 
 
 def restore_all_hashes() -> None:
