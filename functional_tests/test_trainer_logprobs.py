@@ -1,25 +1,35 @@
 """``ab --trainer-logprobs`` through megatron-core's engine and training forward on the CPU backend.
 
 ``matched``: the training forward's log-probs equal the engine's bit for bit in every run (caching
-off and on), bf16 and fp32. A deliberately perturbed engine log-prob is found at its request and
-token, and fails the verdict. ``megatron``: megatron-core's own training forward (torch's kernels)
-is reported, never failed.
+off and on), bf16 and fp32, and across a weight update (requests in flight across it left out and
+counted). One float32 ulp in the trainer forward (a weight) or in the engine (its decode attention's
+softmax scale) fails the verdict, naming the request and token. An exception inside the trainer
+forward is named as the trainer's. ``megatron``: megatron-core's own training forward (torch's
+kernels) is reported, never failed.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
+from rich.console import Console
 
-from functional_tests.conftest import REPO
+from functional_tests.conftest import REPO, SERIES
 from megatron_ext import cli
+from megatron_ext.cpu_backend import attention
+from megatron_ext.harness import trainer_logprobs
 from megatron_ext.harness.ab import run_ab
 from megatron_ext.harness.cases import load_case
+from megatron_ext.harness.report import print_report
 
 TINY = Path(__file__).parent / "cases" / "trainer_tiny.yaml"
+#: trainer_tiny in fp32 with a perturb update at step 3: r0.s0 and r1.s0 in flight across it
+UPDATE_TINY = Path(__file__).parent / "cases" / "trainer_update_tiny.yaml"
 RUNS = ("A: caching off", "B: caching on, ref_zero", "B: caching on, lru")
 
 
@@ -28,11 +38,20 @@ def _tiny(dtype: str = "bf16"):
     return case.model_copy(update={"model": case.model.model_copy(update={"params_dtype": dtype})})
 
 
-def test_default_case_matched_is_bit_identical_caching_on_and_off(tmp_path):
+def _report(result) -> str:
+    console = Console(width=10_000, record=True, file=io.StringIO())
+    print_report(result, console)
+    return console.export_text()
+
+
+def test_default_case_matched_is_bit_identical_caching_on_and_off(tmp_path, capfd):
     out = tmp_path / "ab.json"
     assert cli.main(["ab", "--trainer-logprobs", "--json", str(out), "--no-progress"]) == 0
+    assert ("trainer log-probs (matched) bit-identical to the engine's in all 336 compared tokens of 3 runs (left "
+            "out, in flight across a weight update: 0 requests, 0 tokens)") in capfd.readouterr().out
     written = json.loads(out.read_text())
-    identical = {"tokens": 112, "bit_identical_tokens": 112, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0}
+    identical = {"tokens": 112, "bit_identical_tokens": 112, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0,
+                 "left_out_requests": 0, "left_out_tokens": 0}
     assert written["trainer_logprobs"] == {run: identical for run in RUNS}  # 14 requests x 8 tokens per run
     detail = written["trainer_logprobs_detail"]
     assert detail["mode"] == "matched" and list(detail["seconds"]) == list(RUNS)
@@ -43,37 +62,94 @@ def test_default_case_matched_is_bit_identical_caching_on_and_off(tmp_path):
         assert {str(r["request_id"]): r["trainer"] for r in detail["requests"][run]} == engine
 
 
-def test_tiny_case_matched_in_fp32():
-    result = run_ab(_tiny("fp32"), trainer_logprobs="matched")
+def test_in_flight_across_an_update_left_out_and_counted_the_rest_matched_in_fp32():
+    """Each run: r2.s0 (1 token, before the update) and r3.s0 (round 1, after it) compared with their
+    own weights, bit for bit; r0.s0 (6 tokens) and r1.s0 (3: it generated the end-of-document token)
+    decoding across the update are left out, in the JSON summary and the PASS line."""
+    result = run_ab(load_case(str(UPDATE_TINY)), trainer_logprobs="matched")
     assert result.failures() == []
-    assert {run.label: (run.tokens, run.bit_identical_tokens) for run in result.trainer_logprobs.runs} == {
-        "A: caching off": (18, 18), "B: caching on, ref_zero": (18, 18)}
+    figures = {"tokens": 7, "bit_identical_tokens": 7, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0,
+               "left_out_requests": 2, "left_out_tokens": 9}
+    assert result.as_json()["trainer_logprobs"] == {run: figures for run in RUNS[:2]}
+    assert result.as_json()["trainer_logprobs_detail"]["left_out"] == {run: [0, 1] for run in RUNS[:2]}
+    assert [r.label for r in result.trainer_logprobs.runs[0].requests] == ["r2.s0", "r3.s0"]
+    assert ("trainer log-probs (matched) bit-identical to the engine's in all 14 compared tokens of 2 runs (left out, "
+            "in flight across a weight update: 4 requests, 18 tokens); every audit holds") in _report(result)
 
 
-def test_a_perturbed_engine_log_prob_is_found_at_its_request_and_token():
-    """One ulp off in the engine's log-prob of token 3 of request r0.s1 in the caching-on run only."""
-    perturbed = {}
+def test_an_exception_in_the_trainer_forward_is_named_as_the_trainers(monkeypatch):
+    """Raised inside megatron-core's training forward (its core attention), before the weight
+    update, inside the engine's step loop: the verdict names the trainer forward, not megatron-core's
+    engine, which ran on (the update made, the outputs of caching on and off equal)."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("trainer attention broke")
 
-    def perturb(run):
-        if run.prefix_caching:
-            output = run.outputs[1]
-            perturbed["was"] = output.log_probs[3]
-            output.log_probs[3] = math.nextafter(output.log_probs[3], 0.0)
-            perturbed["now"] = output.log_probs[3]
+    monkeypatch.setattr(attention, "full_sequence_attention", broken)
+    result = run_ab(load_case(str(UPDATE_TINY)), trainer_logprobs="matched")
+    assert result.exit_code() == 1 and all(run.error is None and len(run.updates) == 1 for run in result.runs)
+    assert result.policies[0].bit_identical
+    assert [f.split(" (in ")[0] for f in result.failures()] == [
+        f"trainer vs engine log-probs (matched): {run}: the trainer forward (the model's training forward that "
+        "--trainer-logprobs runs, not the engine) raised before weight update 1 (engine step 3): RuntimeError: "
+        "trainer attention broke" for run in RUNS[:2]]
+    assert all(f.endswith("; 0 requests compared before it") and "megatron/core/" in f for f in result.failures())
 
-    result = run_ab(_tiny(), trainer_logprobs="matched", on_run=perturb)
+
+def _one_ulp_up(value: torch.Tensor) -> torch.Tensor:
+    return torch.nextafter(value, torch.tensor(math.inf, dtype=value.dtype))
+
+
+#: fp32 trainer_tiny, one float32 ulp up in ``where``: run -> (bit-identical tokens, first divergent
+#: request, its generated token); 18 tokens per run. The engine's fault is in its decode kernel only:
+#: 0.17 runs run B's step 1 (r0.s1's one-token prefill, after its prefix match, with two decodes)
+#: through it too, 0.18+ through the prefill kernel, so fewer of B's values carry the fault.
+ONE_ULP = {
+    "trainer": {"A: caching off": (14, "r0.s0", 4), "B: caching on, ref_zero": (14, "r0.s0", 4)},
+    "engine": {"A: caching off": (16, "r0.s0", 2),
+               "B: caching on, ref_zero": (16, "r0.s0", 2) if SERIES == "0.17" else (17, "r0.s1", 2)},
+}
+
+
+@pytest.mark.parametrize("where", ["trainer", "engine"])
+def test_one_float32_ulp_in_the_trainer_or_the_engine_fails_naming_request_and_token(monkeypatch, where):
+    """``trainer``: one fp32 weight (layer 0's input layernorm weight[0], 1.0) one ulp up, in the
+    trainer forward only. ``engine``: the softmax scale of the engine's decode attention
+    (decode-only steps: ``flash_attn_with_kvcache``'s stand-in) one float32 ulp up (0.25 -> 0.25 +
+    2**-25: a double ulp would vanish in the float32 scores). Both fail matched mode in every run."""
+    if where == "trainer":
+        logits = trainer_logprobs._logits
+
+        def perturbed_trainer(model, tokens, positions):
+            weight = model.decoder.layers[0].input_layernorm.weight.data.view(-1)
+            was = weight[0].clone()
+            weight[0] = _one_ulp_up(was)
+            try:
+                return logits(model, tokens, positions)
+            finally:
+                weight[0] = was
+
+        monkeypatch.setattr(trainer_logprobs, "_logits", perturbed_trainer)
+    else:
+        decode = attention.kvcache_attention
+
+        def perturbed_decode(*args, softmax_scale=None, **kwargs):
+            q = kwargs["q"] if "q" in kwargs else args[0]
+            scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+            return decode(*args, softmax_scale=float(_one_ulp_up(torch.tensor(scale, dtype=torch.float32))), **kwargs)
+
+        monkeypatch.setattr(attention, "kvcache_attention", perturbed_decode)
+    result = run_ab(_tiny("fp32"), trainer_logprobs="matched")
     assert result.exit_code() == 1
-    off, on = result.trainer_logprobs.runs
-    assert (off.tokens, off.bit_identical_tokens, off.first_divergent) == (18, 18, None)
-    assert (on.tokens, on.bit_identical_tokens) == (18, 17)
-    assert (on.first_divergent.label, on.first_divergent.first_divergent_token) == ("r0.s1", 3)
-    figures = on.as_json()
-    assert figures["max_abs_diff"] == abs(perturbed["now"] - perturbed["was"]) > 0.0
-    assert figures["mean_abs_diff"] == figures["max_abs_diff"] / 18
-    assert [r.first_divergent_token for r in on.requests] == [None, 3, None]
-    assert (f"trainer vs engine log-probs (matched): B: caching on, ref_zero: 1 of 18 tokens differ; first: "
-            f"request r0.s1 (id 1) generated token 3: engine {perturbed['now']!r} vs trainer {perturbed['was']!r}"
-            ) in result.failures()
+    for run in result.trainer_logprobs.runs:
+        identical, label, token = ONE_ULP[where][run.label]
+        first = run.first_divergent
+        assert (run.tokens, run.bit_identical_tokens, first.label, first.first_divergent_token) == (
+            18, identical, label, token)
+        engine, trainer = first.engine[token], first.trainer[token]
+        assert engine != trainer and abs(engine - trainer) < 1e-5  # the last bits
+        assert (f"trainer vs engine log-probs (matched): {run.label}: {18 - identical} of 18 tokens differ; first: "
+                f"request {label} (id {first.request_id}) generated token {token}: engine {engine!r} vs trainer "
+                f"{trainer!r}") in result.failures()
 
 
 @pytest.mark.parametrize("dtype, identical", [("bf16", [0, 0, 0]), ("fp32", [5, 5, 4])])
@@ -83,6 +159,9 @@ def test_megatron_mode_reports_the_mismatch_and_passes(dtype, identical):
     for run in result.trainer_logprobs.runs:  # caching on and off: the same tokens, the same trainer figures
         assert [r.bit_identical_tokens for r in run.requests] == identical
         assert run.as_json()["max_abs_diff"] > 0.0 and run.as_json()["k3_kl"] > 0.0
+    largest = max(run.max_abs_diff for run in result.trainer_logprobs.runs)
+    assert (f"trainer (megatron, for information): {2 * sum(identical)}/36 identical, max |Δ| {largest:.3g} nats "
+            "(left out, in flight across a weight update: 0 requests, 0 tokens); every audit holds") in _report(result)
 
 
 @pytest.mark.slow
@@ -96,7 +175,8 @@ def test_tiny_case_matched_multi_rank(tmp_path, torchrun, tp, pp):
     (tmp_path / relative.parent).mkdir(parents=True)
     code, output, result = torchrun.ab(tmp_path, tp=tp, pp=pp, case=str(relative), extra=("--trainer-logprobs",))
     torchrun.assert_clean(tp, pp, code, output, result)
-    identical = {"tokens": 18, "bit_identical_tokens": 18, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0}
+    identical = {"tokens": 18, "bit_identical_tokens": 18, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0,
+                 "left_out_requests": 0, "left_out_tokens": 0}
     assert result["trainer_logprobs"] == {run: identical for run in RUNS[:2]}
 
 
@@ -115,6 +195,7 @@ def test_weight_update_rounds_compare_each_round_with_its_own_weights(monkeypatc
     assert [run.label for run in result.trainer_logprobs.runs] == list(RUNS[:2])
     for run in result.trainer_logprobs.runs:
         assert (run.tokens, run.bit_identical_tokens, run.left_out) == (72, 72, [0])
+        assert (run.as_json()["left_out_requests"], run.as_json()["left_out_tokens"]) == (1, 24)
     start = trainer_logprobs.TrainerComparison.start
     monkeypatch.setattr(trainer_logprobs.TrainerComparison, "start", lambda self, updater=None: start(self, None))
     stale = run_ab(case, trainer_logprobs="matched")

@@ -570,11 +570,15 @@ def build_parser() -> argparse.ArgumentParser:
     p_ab.add_argument("--trainer-logprobs", nargs="?", const="matched", default=None, metavar="{matched,megatron}",
                       help="after each run, the same GPTModel's training forward (no KV cache, full sequences) "
                       "computes the log-prob of every generated token as Megatron-LM RL does, compared per token "
-                      "with the engine's. matched (the default of the bare flag): the training forward uses the "
-                      "engine's arithmetic on the CPU backend (batch-invariant products, the reference "
-                      "attention's per-query order); a token that differs fails the run. megatron: "
-                      "megatron-core's own training forward with torch's kernels; figures only. GPT models "
-                      "(not hybrid); with weight_updates each round is compared with its own weights")
+                      "with the engine's. matched (the default of the bare flag; CPU backend only): the training "
+                      "forward uses the engine's own kernels (batch-invariant products, the reference attention): "
+                      "proves the engine's paged / prefix-cached / chunked path computes what a cache-free "
+                      "forward computes, bit for bit; a token that differs fails the run; a fault inside the "
+                      "shared kernels cannot show. megatron: megatron-core's training forward as released (on "
+                      "the CPU: torch's CPU kernels against the CPU backend's engine, not a GPU stack); figures "
+                      "for information. GPT "
+                      "models (not hybrid); with weight_updates each round is compared with its own weights, "
+                      "requests in flight across an update are left out; a run that compares no token fails")
     p_ab.add_argument("--list-cases", action="store_true", help="print the shipped case names")
     p_ab.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_ab.add_argument("--width", type=_width, default=None, help="table width in columns (>= 40; default: the terminal's, or unbounded in a log)")

@@ -1,5 +1,6 @@
 """``ab --trainer-logprobs`` without an engine: the k3 estimate, the per-token comparison, the JSON
-shape, the verdict and the refusals (one line, exit 2, nothing run)."""
+shape, the verdict (a differing token, no token compared, a trainer forward that raised), the PASS
+line's clause and the refusals (one line, exit 2, nothing run)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from megatron_ext.harness import ab
 from megatron_ext.harness.cases import load_case
 from megatron_ext.harness.compare import RequestOutput
 from megatron_ext.harness.trainer_logprobs import (
-    TrainerForward, TrainerLogProbs, TrainerLogProbsError, batch_sequences, check_supported, compare_run, k3)
+    RunLogProbs, TrainerForward, TrainerLogProbs, TrainerLogProbsError, batch_sequences, check_supported,
+    compare_run, k3)
 from unit_tests.conftest import one_error_line
 
 
@@ -38,9 +40,12 @@ ENGINE = {0: [-0.5, -1.5, -2.0], 1: [-0.25, -3.0], 2: []}
 def test_identical_log_probs_give_zeros_and_no_failure():
     run = compare_run("A: caching off", _outputs(ENGINE), ENGINE)
     assert run.as_json() == {"tokens": 5, "bit_identical_tokens": 5, "max_abs_diff": 0.0,
-                             "mean_abs_diff": 0.0, "k3_kl": 0.0}
+                             "mean_abs_diff": 0.0, "k3_kl": 0.0, "left_out_requests": 0, "left_out_tokens": 0}
     assert run.first_divergent is None
     assert TrainerLogProbs("matched", [run]).failures() == []
+    assert TrainerLogProbs("matched", [run, run]).pass_clause() == (
+        "trainer log-probs (matched) bit-identical to the engine's in all 10 compared tokens of 2 runs "
+        "(left out, in flight across a weight update: 0 requests, 0 tokens)")
 
 
 def test_one_perturbed_token_is_found_at_its_request_and_token():
@@ -60,6 +65,10 @@ def test_one_perturbed_token_is_found_at_its_request_and_token():
     assert failures == [f"trainer vs engine log-probs (matched): B: caching on, lru: 1 of 5 tokens differ; first: "
                         f"request r1.s0 (id 1) generated token 1: engine -3.0 vs trainer {trainer[1][1]!r}"]
     assert TrainerLogProbs("megatron", [run]).failures() == []  # information only
+    run.left_out, run.left_out_tokens = [3, 4], 14
+    assert TrainerLogProbs("megatron", [run]).pass_clause() == (
+        f"trainer (megatron, for information): 4/5 identical, max |Δ| {delta:.3g} nats "
+        "(left out, in flight across a weight update: 2 requests, 14 tokens)")
 
 
 def test_negative_zero_differs_from_zero():
@@ -73,13 +82,30 @@ def test_json_is_keyed_by_run_label_with_exactly_the_five_figures():
     result = TrainerLogProbs("matched", runs)
     assert list(result.as_json()) == ["A: caching off", "B: caching on, ref_zero", "B: caching on, lru"]
     for figures in result.as_json().values():
-        assert set(figures) == {"tokens", "bit_identical_tokens", "max_abs_diff", "mean_abs_diff", "k3_kl"}
+        assert set(figures) == {"tokens", "bit_identical_tokens", "max_abs_diff", "mean_abs_diff", "k3_kl",
+                                "left_out_requests", "left_out_tokens"}
     detail = result.detail_json()
     assert detail["mode"] == "matched" and set(detail["seconds"]) == set(result.as_json())
+    assert detail["error"] == {label: None for label in result.as_json()}
     assert [r["label"] for r in detail["requests"]["A: caching off"]] == ["r0.s0", "r1.s0", "r2.s0"]
     assert detail["requests"]["A: caching off"][0] == {
         "request_id": 0, "label": "r0.s0", "tokens": 3, "bit_identical_tokens": 3, "max_abs_diff": 0.0,
         "k3_kl": 0.0, "first_divergent_token": None, "engine": ENGINE[0], "trainer": ENGINE[0]}
+
+
+@pytest.mark.parametrize("mode", ["matched", "megatron"])
+def test_a_run_that_compared_no_token_fails_in_any_mode(mode):
+    """All its requests in flight across a weight update, or an engine that generated nothing:
+    nothing was checked, so the verdict cannot pass (exit 1, as any failure of ab)."""
+    spanning = RunLogProbs("A: caching off", left_out=[0, 1], left_out_tokens=12)
+    empty = compare_run("B: caching on, lru", _outputs({0: [], 1: []}), {0: [], 1: []})
+    assert spanning.as_json()["left_out_requests"] == 2 and spanning.as_json()["left_out_tokens"] == 12
+    assert TrainerLogProbs(mode, [spanning, empty]).failures() == [
+        f"trainer vs engine log-probs ({mode}): A: caching off: 0 tokens compared, nothing was checked: 2 requests "
+        "(12 tokens) left out, in flight across a weight update; a request that finishes before the next update "
+        "is compared",
+        f"trainer vs engine log-probs ({mode}): B: caching on, lru: 0 tokens compared, nothing was checked: the "
+        "engine generated no token"]
 
 
 def test_counts_that_differ_are_an_error():

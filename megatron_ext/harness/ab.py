@@ -382,8 +382,9 @@ def run_ab(
             model's training forward computes the log-probs of every generated token and they are
             compared with the engine's (:mod:`megatron_ext.harness.trainer_logprobs`; a
             :class:`~megatron_ext.harness.trainer_logprobs.TrainerForward` picks attention and
-            matrix products separately); with ``matched`` a token that differs fails the verdict.
-            None: no trainer forward.
+            matrix products separately); with ``matched`` a token that differs fails the verdict; in
+            any mode a run that compared no token, or a trainer forward that raised (recorded, named
+            as the trainer's), fails it. None: no trainer forward.
 
     With ``weight_updates`` every run (A and each B) starts from the same weights (a copy taken
     before the first run is restored before each) and makes the same updates at the same steps.

@@ -114,8 +114,8 @@ def trainer_table(result: ABResult) -> Table:
     bit-identical (count and fraction), max / mean |Δ log-prob|, k3 KL per request (mean and max
     over requests), the first divergent request and token, the trainer forward's seconds."""
     trainer = result.trainer_logprobs
-    table = Table(title=f"trainer vs engine log-probs ({trainer.mode}): megatron-core's training forward "
-                        "over prompt + generated tokens")
+    table = Table(title=f"trainer vs engine log-probs ({trainer.mode}): the training forward over prompt + "
+                        "generated tokens")
     for column in ("run", "tokens bit-identical", "max |Δ log-prob|", "mean |Δ log-prob|",
                    "k3 KL per request (mean / max)", "first divergent token", "trainer forward s"):
         table.add_column(column, justify="right" if column != "run" else "left")
@@ -191,8 +191,9 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
         for run in result.trainer_logprobs.runs:
             if run.left_out:
                 labels = ", ".join(result.baseline.outputs[rid].label for rid in run.left_out[:8])
-                console.print(f"trainer log-probs, {run.label}: {len(run.left_out)} requests left out, in flight across "
-                              f"a weight update (generated under two weight versions): {labels}"
+                console.print(f"trainer log-probs, {run.label}: {len(run.left_out)} requests ({run.left_out_tokens} "
+                              "tokens) left out, in flight across a weight update (generated under two weight "
+                              f"versions): {labels}"
                               f"{', ...' if len(run.left_out) > 8 else ''}", markup=False, highlight=False, soft_wrap=True)
         trainer_s = sum(r.seconds for r in result.trainer_logprobs.runs)
         engine_s = sum(run.wall_s for run in result.runs)
@@ -223,11 +224,7 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
         left_out = max((len(result.left_out(p)) for p in result.policies), default=0)
         counted = f"{total} requests" if not left_out else (
             f"{total - left_out} of {total} requests ({left_out} left out: updated at another token)")
-        trainer = result.trainer_logprobs
-        tokens = sum(r.tokens for r in trainer.runs) if trainer is not None else 0
-        trained = "" if trainer is None or trainer.mode != "matched" else (
-            f"; trainer log-probs (matched) bit-identical to the engine's in all {tokens} tokens of "
-            f"{len(trainer.runs)} runs")
+        trained = "" if result.trainer_logprobs is None else f"; {result.trainer_logprobs.pass_clause()}"
         console.print(f"[bold green]PASS[/]: {counted} bit-identical with "
                       f"prefix caching on and off{weights}{trained}; every audit holds ({result.wall_s:.1f} s)",
                       soft_wrap=True)

@@ -8,16 +8,38 @@ Megatron-LM RL computes it (``megatron/rl/rl_utils.py``: ``get_logprobs`` ->
 ``selective_log_softmax``: log_softmax of the logits at position ``t - 1``, in float32, gathered at
 token ``t``), then compared per token with the engine's log-prob of that token.
 
-Two modes:
+On the CPU backend (``--device cpu``, the default; ``matched`` runs only there) both sides run on
+this machine: the engine with the reference paged attention in place of flash-attention and the
+batch-invariant (row-wise) matrix products. The modes differ in the trainer forward only:
 
-* ``matched``: the training forward computes each token's logits with the engine's arithmetic on
-  the CPU backend: the batch-invariant matrix products stay on (as for the engine) and the core
-  attention is the reference attention's per-query reduction
-  (:func:`megatron_ext.cpu_backend.attention.matched_training_attention`). Any token whose
-  log-prob bits differ fails the run.
-* ``megatron``: megatron-core's own training forward with torch's own CPU kernels
-  (``DotProductAttention`` as released, batch-invariant products off): what a user measures on
-  their own stack; the figures are information only.
+* ``matched``: the training forward computes with the engine's arithmetic: the batch-invariant
+  products stay on and the core attention is the engine's own reference kernel
+  (:func:`~megatron_ext.cpu_backend.attention.attend_sequence`, through
+  :func:`~megatron_ext.cpu_backend.attention.matched_training_attention`). Any token whose log-prob
+  bits differ fails the run. What it proves: the engine's path (paged KV blocks, prefix-cache
+  matches, chunked prefill, decode steps, batches of other requests) computes, token by token, the
+  same function as a cache-free full-sequence forward of the same weights with identical
+  arithmetic; a stale or misplaced KV block, a wrong position or causal range, a prefill token
+  skipped, or any arithmetic outside the shared kernels that differs shows as a bit difference.
+  What it cannot show: a fault inside code both sides share (``attend_sequence``, the
+  batch-invariant products, the layer code both paths run: norms, projections, MLP) is made
+  identically on both sides and cancels (a 25% softmax-scale error inside ``attend_sequence``
+  still passes); that kernel is checked on its own against float64 dense attention
+  (``unit_tests/test_cpu_backend_attention.py``).
+  Nor does it say anything of a GPU stack, where the engine's flash-attention decode and the
+  trainer's attention kernel reduce in different orders (README: "Trainer vs engine log-probs").
+* ``megatron``: megatron-core's training forward as released, with torch's CPU kernels
+  (``DotProductAttention``, torch's matrix products) against the CPU backend's engine: what
+  megatron-core's own training forward leaves against that engine's arithmetic; not what a user
+  measures on a GPU stack, whose kernels differ on both sides. (With ``--device cuda`` both run on
+  the GPU with the kernels installed there, the trainer with the local layer spec's
+  ``DotProductAttention``, not Transformer Engine's; not measured here.) Information only: it
+  never fails the verdict, except a run that compared no token or a trainer forward that raised
+  (any mode).
+
+A request in flight across a weight update is left out (two weight versions generated it), counted
+in requests and tokens; a run that compared no token fails, as does an exception inside the trainer
+comparison (named as the trainer's, never as the engine's).
 
 The model is in eval mode (no dropout), as Megatron-LM RL's log-prob forward
 (``logprobs_forward_step`` calls ``model.eval()``) runs it, and the forward runs under
@@ -37,6 +59,7 @@ import torch
 
 from ..errors import MegatronExtError
 from .compare import RequestOutput
+from .step_loop import describe_exception
 
 #: ``ab --trainer-logprobs`` values; the first is the default of the bare flag.
 MODES = ("matched", "megatron")
@@ -300,12 +323,17 @@ class RunLogProbs:
         requests: per request, in request ID order.
         seconds: wall-clock seconds of the trainer forward and comparison.
         left_out: request IDs not compared: in flight across a weight update (two weight versions).
+        left_out_tokens: the tokens those requests generated in this run.
+        error: the exception the trainer comparison raised (one line, where it was raised); the
+            requests it had not compared yet are in none of the figures. None: it ran through.
     """
 
     label: str
     requests: list[RequestLogProbs] = field(default_factory=list)
     seconds: float = 0.0
     left_out: list[int] = field(default_factory=list)
+    left_out_tokens: int = 0
+    error: Optional[str] = None
 
     @property
     def tokens(self) -> int:
@@ -320,15 +348,23 @@ class RunLogProbs:
         """The first request (by ID) with a token that differs, or None."""
         return next((r for r in self.requests if r.first_divergent_token is not None), None)
 
+    @property
+    def max_abs_diff(self) -> float:
+        """Max |Δ log-prob| (nats) over every compared token (0.0 without tokens)."""
+        return max((d for r in self.requests for d in r.abs_diffs), default=0.0)
+
     def as_json(self) -> dict[str, Any]:
-        """``{tokens, bit_identical_tokens, max_abs_diff, mean_abs_diff, k3_kl}``: |Δ| in nats over
-        every token; ``k3_kl`` the mean k3 over every token of the run (0.0 without tokens)."""
+        """``{tokens, bit_identical_tokens, max_abs_diff, mean_abs_diff, k3_kl, left_out_requests,
+        left_out_tokens}``: ``tokens`` the compared ones; |Δ| in nats over every compared token;
+        ``k3_kl`` the mean k3 over them (0.0 without tokens); ``left_out_*`` the requests in flight
+        across a weight update, not compared, and the tokens they generated."""
         diffs = [d for r in self.requests for d in r.abs_diffs]
         k3s = [value for r in self.requests for value in r.k3s]
         return {"tokens": self.tokens, "bit_identical_tokens": self.bit_identical_tokens,
-                "max_abs_diff": max(diffs, default=0.0),
+                "max_abs_diff": self.max_abs_diff,
                 "mean_abs_diff": sum(diffs) / len(diffs) if diffs else 0.0,
-                "k3_kl": sum(k3s) / len(k3s) if k3s else 0.0}
+                "k3_kl": sum(k3s) / len(k3s) if k3s else 0.0,
+                "left_out_requests": len(self.left_out), "left_out_tokens": self.left_out_tokens}
 
 
 def compare_run(label: str, outputs: dict[int, RequestOutput],
@@ -382,41 +418,56 @@ class TrainerComparison:
     ran), and the last round after the run. A request in flight across an update saw two weight
     versions, so no single training forward is on-policy for it: it is left out and listed
     (:attr:`RunLogProbs.left_out`).
+
+    An exception inside the trainer comparison (the training forward, or the comparison) is
+    recorded in the run's :attr:`RunLogProbs.error` and the run's remaining requests are not
+    compared; it never reaches the engine's step loop, which would report it as megatron-core's
+    engine failing.
     """
 
     def __init__(self, model: Any, planned: Sequence[Any], forward: TrainerForward):
         self.model, self.forward = model, forward
         self.prompts = {r.request_id: r.prompt_tokens for r in planned}
         self.result = TrainerLogProbs(forward.mode)
+        self.start()
+
+    def start(self, updater: Any = None) -> None:
+        """A run begins; ``updater`` (a ``WeightUpdater`` or None): compare before each of its updates."""
         self._requests: list[RequestLogProbs] = []
         self._done: set[int] = set()
         self._spanning: set[int] = set()
         self._seconds = 0.0
-
-    def start(self, updater: Any = None) -> None:
-        """A run begins; ``updater`` (a ``WeightUpdater`` or None): compare before each of its updates."""
-        self._requests, self._done, self._spanning, self._seconds = [], set(), set(), 0.0
+        self._error: Optional[str] = None
         if updater is None:
             return
         update = updater.update
 
         def compare_then_update(record: Any, outputs: dict[int, RequestOutput], finished: set[int]) -> None:
             self._spanning |= set(outputs) - finished
-            self._compare(outputs, finished - self._done - self._spanning)
+            self._compare(outputs, finished - self._done - self._spanning,
+                          f"before weight update {record.index} (engine step {record.step})")
             update(record, outputs, finished)
 
         updater.update = compare_then_update
 
     def after(self, run: Any) -> None:
         """A run (a ``RunRecord``: ``label``, ``outputs``) ended: compare what is left, record the run."""
-        self._compare(run.outputs, set(run.outputs) - self._done - self._spanning)
+        self._compare(run.outputs, set(run.outputs) - self._done - self._spanning, "after the run")
         ordered = sorted(self._requests, key=lambda r: r.request_id)
-        self.result.runs.append(RunLogProbs(run.label, ordered, self._seconds, sorted(self._spanning)))
+        spanning = sorted(self._spanning)
+        self.result.runs.append(RunLogProbs(
+            run.label, ordered, self._seconds, spanning,
+            left_out_tokens=sum(len(run.outputs[rid].tokens) for rid in spanning), error=self._error))
 
-    def _compare(self, outputs: dict[int, RequestOutput], ids: set[int]) -> None:
-        if not ids:
+    def _compare(self, outputs: dict[int, RequestOutput], ids: set[int], when: str) -> None:
+        if not ids or self._error is not None:
             return
-        compared = compare_with_trainer(self.model, "", self.prompts, {rid: outputs[rid] for rid in ids}, self.forward)
+        try:
+            compared = compare_with_trainer(self.model, "", self.prompts, {rid: outputs[rid] for rid in ids},
+                                            self.forward)
+        except Exception as exc:  # noqa: BLE001 - the verdict names it as the trainer's, with where it was raised
+            self._error = f"{when}: {describe_exception(exc)}"
+            return
         self._requests.extend(compared.requests)
         self._seconds += compared.seconds
         self._done |= ids
@@ -430,29 +481,58 @@ class TrainerLogProbs:
     runs: list[RunLogProbs] = field(default_factory=list)
 
     def failures(self) -> list[str]:
-        """``matched``: one sentence per run with a token that differs, naming the run, the first
-        such request and token, and both values; ``megatron``: none (information only)."""
-        if self.mode != "matched":
-            return []
+        """One sentence per failing run, naming the run: in any mode, a trainer comparison that
+        raised (named as the trainer's) or a run that compared no token; ``matched`` also, a token
+        that differs (the first such request and token, and both values). A ``megatron`` (or mixed)
+        forward's differences are information only."""
         problems = []
         for run in self.runs:
+            where = f"trainer vs engine log-probs ({self.mode}): {run.label}"
+            if run.error is not None:
+                problems.append(
+                    f"{where}: the trainer forward (the model's training forward that --trainer-logprobs runs, "
+                    f"not the engine) raised {run.error}; {len(run.requests)} requests compared before it")
+                continue
+            if not run.tokens:
+                why = (f"{len(run.left_out)} requests ({run.left_out_tokens} tokens) left out, in flight across a "
+                       "weight update; a request that finishes before the next update is compared"
+                       if run.left_out else "the engine generated no token")
+                problems.append(f"{where}: 0 tokens compared, nothing was checked: {why}")
+                continue
             first = run.first_divergent
-            if first is None:
+            if self.mode != "matched" or first is None:
                 continue
             k = first.first_divergent_token
             problems.append(
-                f"trainer vs engine log-probs ({self.mode}): {run.label}: "
-                f"{run.tokens - run.bit_identical_tokens} of {run.tokens} tokens differ; first: request "
+                f"{where}: {run.tokens - run.bit_identical_tokens} of {run.tokens} tokens differ; first: request "
                 f"{first.label} (id {first.request_id}) generated token {k}: engine {first.engine[k]!r} vs "
                 f"trainer {first.trainer[k]!r}")
         return problems
+
+    def pass_clause(self) -> str:
+        """What the PASS line says of the comparison (it passed): ``matched``: every compared token
+        bit-identical; any other forward: identical tokens of all and the max |Δ log-prob| (nats),
+        for information; then the requests and tokens left out (in flight across a weight update).
+        Counts are summed over the runs (a request left out of two runs counts twice)."""
+        tokens = sum(r.tokens for r in self.runs)
+        left_out = (f"(left out, in flight across a weight update: {sum(len(r.left_out) for r in self.runs)} "
+                    f"requests, {sum(r.left_out_tokens for r in self.runs)} tokens)")
+        if self.mode == "matched":
+            return (f"trainer log-probs (matched) bit-identical to the engine's in all {tokens} compared tokens of "
+                    f"{len(self.runs)} runs {left_out}")
+        identical = sum(r.bit_identical_tokens for r in self.runs)
+        largest = max((r.max_abs_diff for r in self.runs), default=0.0)
+        return (f"trainer ({self.mode}, for information): {identical}/{tokens} identical, max |Δ| {largest:.3g} nats "
+                f"{left_out}")
 
     def as_json(self) -> dict[str, Any]:
         """Run label -> :meth:`RunLogProbs.as_json` (the ab JSON's ``trainer_logprobs``)."""
         return {run.label: run.as_json() for run in self.runs}
 
     def detail_json(self) -> dict[str, Any]:
-        """The mode, seconds per run and per-request figures (the ab JSON's ``trainer_logprobs_detail``)."""
+        """The mode, seconds per run, the requests left out, the trainer comparison's error (None:
+        none) and per-request figures (the ab JSON's ``trainer_logprobs_detail``)."""
         return {"mode": self.mode, "seconds": {run.label: round(run.seconds, 3) for run in self.runs},
                 "left_out": {run.label: run.left_out for run in self.runs},
+                "error": {run.label: run.error for run in self.runs},
                 "requests": {run.label: [r.as_json() for r in run.requests] for run in self.runs}}
