@@ -6,7 +6,7 @@ subprocess importing that copy:
 - ``megatron-ext status`` reports every runtime patch "not needed" (the fix is detected in
   the code: by a probe of the code's behaviour for fixes 1, 3 and 5, by the signature of
   ``is_memory_available`` for fix 4, by the recorded source-patched fingerprints for fixes 2,
-  6, 7, 8, 9, H1, H7 and H8; by probes of the Mamba slot allocator for H4 and H6; by the context's own
+  6, 7, 8, 9, H1, H7, H8 and H10; by probes of the Mamba slot allocator for H4 and H6; by the context's own
   ``_find_mamba_match_count`` for H5);
 - the unit tests that check the runtime patches pass there without them being applied: the
   consistency check between runtime and source patches;
@@ -66,7 +66,7 @@ def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(ver
             "weight-update-invalidation", "top-n-prefill-chunks", "deregister-own-hash",
             "mamba-chunk-size", "mamba-snapshot-offsets", "mamba-slot-exhaustion",
             "mamba-match-in-chunk", "mamba-clamp-restore", "mamba-conv-carry",
-            "mamba-continuation-skip", "mamba-aligned-chunks")}
+            "mamba-continuation-skip", "mamba-aligned-chunks", "mamba-decode-no-dummy")}
     tests = run_with(tree, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                      "unit_tests/test_release_refcount.py", "unit_tests/test_matched_block_writes.py",
                      "unit_tests/test_faults.py", "unit_tests/test_lru_faults.py",
@@ -75,7 +75,7 @@ def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(ver
                      "unit_tests/test_mamba_snapshot_offsets.py", "unit_tests/test_mamba_slot_exhaustion.py",
                      "unit_tests/test_mamba_match_in_chunk.py", "unit_tests/test_mamba_clamp_restore.py",
                      "unit_tests/test_mamba_conv_carry.py", "unit_tests/test_mamba_continuation_skip.py",
-                     "unit_tests/test_mamba_aligned_chunks.py")
+                     "unit_tests/test_mamba_aligned_chunks.py", "unit_tests/test_mamba_decode_no_dummy.py")
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and "failed" not in tests.stdout
 
@@ -148,7 +148,8 @@ def test_tree_inside_a_git_checkout_is_really_patched(tmp_path):
                        "megatron/core/inference/contexts/mamba_slot_allocator.py",
                        "megatron/core/inference/engines/dynamic_engine.py",
                        "megatron/core/resharding/refit.py",
-                       "megatron/core/ssm/mamba_mixer.py"]
+                       "megatron/core/ssm/mamba_mixer.py",
+                       "megatron/core/ssm/ops/mamba_ssm.py"]
     patch_source(tree, revert=True)  # byte for byte the release again, no file added
     assert sorted((tree / "megatron/core").rglob("*.py")) == targets
     assert all(p.read_bytes() == before[p] for p in targets)

@@ -50,6 +50,46 @@ class Guarded:
     value: Any = True
 
 
+@dataclass(frozen=True)
+class KernelLaunch:
+    """A wrapper of a Triton kernel's launches, for a target that is the kernel itself (a module
+    global its launcher looks up at call time and launches as ``kernel[grid](*args, **kwargs)``).
+
+    :func:`wrap_kernel` stores a :class:`WrappedKernel` in its place: each launch calls
+    ``wrapper(kernel[grid], None, args, kwargs)`` (``wrapt``'s convention, no instance) instead.
+
+    Attributes:
+        wrapper: ``wrapper(launch, None, args, kwargs)``, which calls ``launch`` itself.
+    """
+
+    wrapper: Callable
+
+
+class WrappedKernel:
+    """What :func:`wrap_kernel` stores in place of a Triton kernel: ``self[grid](*args, **kwargs)``
+    calls the :class:`KernelLaunch` wrapper with ``kernel[grid]``; every other attribute is the
+    kernel's own. ``__wrapped__`` is the kernel, :data:`PATCH_MARKER` the patch's name."""
+
+    def __init__(self, kernel: Any, wrapper: Callable, patch_name: str) -> None:
+        self.__wrapped__ = kernel
+        self.launch_wrapper = wrapper
+        setattr(self, PATCH_MARKER, patch_name)
+
+    def __getitem__(self, grid: Any) -> Callable:
+        launch, wrapper = self.__wrapped__[grid], self.launch_wrapper
+        return lambda *args, **kwargs: wrapper(launch, None, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # only names the instance does not have itself
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.__wrapped__, name)
+
+
+def wrap_kernel(kernel: Any, launch: KernelLaunch, patch_name: str) -> WrappedKernel:
+    """A :class:`WrappedKernel` to store in place of the Triton kernel ``kernel`` (a module global)."""
+    return WrappedKernel(kernel, launch.wrapper, patch_name)
+
+
 def lru_only(wrapper: Callable) -> Guarded:
     """``wrapper`` guarded to run only where ``prefix_caching_eviction_policy`` is LRU (a
     ``DynamicInferenceContext`` or a ``KVBlockAllocator``: both keep the policy). Under REF_ZERO,
@@ -240,7 +280,9 @@ class Target:
 
     Attributes:
         module: dotted module name, e.g. ``megatron.core.inference.contexts.kv_block_allocator``.
-        qualname: ``Class.method``, e.g. ``KVBlockAllocator.release_memory_blocks``.
+        qualname: ``Class.method``, e.g. ``KVBlockAllocator.release_memory_blocks``; or, without a
+            dot, a module global (a Triton kernel its launcher looks up at call time), whose owner
+            is then the module.
     """
 
     module: str
@@ -252,11 +294,13 @@ class Target:
 
     @property
     def attribute(self) -> str:
-        return self.qualname.split(".")[1]
+        return self.qualname.split(".")[-1]
 
-    def owner(self) -> type:
-        """The class that holds the method. Raises MegatronCoreNotFoundError if not importable."""
-        return getattr(mcore.import_module(self.module), self.class_name)
+    def owner(self) -> Any:
+        """The class that holds the method (the module for a module global). Raises
+        MegatronCoreNotFoundError if not importable."""
+        module = mcore.import_module(self.module)
+        return getattr(module, self.class_name) if "." in self.qualname else module
 
     def current(self) -> Any:
         """The object now stored under the attribute in the class ``__dict__`` (maybe a wrapper)."""
@@ -332,11 +376,16 @@ def fingerprint(function: Callable) -> str:
     """SHA-256 (first 16 hex digits) of a function's dedented source, trailing blanks stripped.
 
     Source, not bytecode: megatron-core ships ``.py`` files, and bytecode changes with the Python
-    patch release while the code we rely on does not.
+    patch release while the code we rely on does not. A Triton kernel is fingerprinted by the
+    Python function it compiles, decorators (its ``triton.heuristics``) included.
 
     Raises:
         OSError: the source is not available (a ``.pyc``-only install); callers report it as a refusal.
+        TypeError: ``function`` has no source (not a function, nor a Triton kernel).
     """
+    # Triton's jit, heuristics and autotune layers each keep what they wrap in ``fn``
+    while type(function).__module__.split(".")[0] == "triton" and hasattr(function, "fn"):
+        function = function.fn
     source = textwrap.dedent(inspect.getsource(function))
     normalized = "\n".join(line.rstrip() for line in source.splitlines()).strip() + "\n"
     return hashlib.sha256(normalized.encode()).hexdigest()[:16]
@@ -376,9 +425,10 @@ class Patch(ABC):
         return tuple(self.fingerprints)
 
     @abstractmethod
-    def wrappers(self) -> dict[Target, Callable | Guarded]:
+    def wrappers(self) -> dict[Target, Callable | Guarded | KernelLaunch]:
         """Target -> wrapper ``(wrapped, instance, args, kwargs)`` to install on it, maybe
-        :class:`Guarded` (:func:`wrap_method`)."""
+        :class:`Guarded` (:func:`wrap_method`), or a :class:`KernelLaunch` for a Triton kernel
+        (:func:`wrap_kernel`)."""
 
     def checked_functions(self) -> tuple[Target, ...]:
         """Every function whose fingerprint must match: the wrapped targets by default."""
@@ -427,7 +477,7 @@ class Patch(ABC):
         for target in self.checked_functions():
             try:
                 found = fingerprint(target.original())
-            except OSError as exc:
+            except (OSError, TypeError) as exc:
                 found = f"unreadable source ({exc})"
             if found != expected.get(target.qualname):
                 return self.result(
@@ -487,7 +537,8 @@ class Patch(ABC):
         for target, wrapper in self.wrappers().items():
             owner = target.owner()
             self._saved[target] = owner.__dict__[target.attribute]
-            setattr(owner, target.attribute, wrap_method(self._saved[target], wrapper, self.name))
+            wrap = wrap_kernel if isinstance(wrapper, KernelLaunch) else wrap_method
+            setattr(owner, target.attribute, wrap(self._saved[target], wrapper, self.name))
 
     def uninstall(self) -> bool:
         """Put back exactly the objects :meth:`install` replaced. Returns False if none were saved.

@@ -8,7 +8,6 @@ In one process, in this order (a GPT backend first, so nothing Mamba is imported
   Mamba mixer or :mod:`megatron_ext.cpu_backend.mamba_check` got imported;
 * ``hybrid``: ``ab.backend("cpu", mamba=True)`` (fp32): its combined result;
 * ``bf16``: :func:`mamba_self_check` with bf16 activations and conv states, fp32 SSM states;
-* ``x_store``: what ``selective_state_update`` does to its ``x`` (fresh inputs, 3 requests);
 * ``scan_variant`` / ``all_variant``: the check with megatron's varlen scan (resp. all four kernels)
   wrapped so that each output row also depends on the row before it, a neighbour in a batch.
 """
@@ -41,25 +40,6 @@ def _leaks_into_next_row(original: Callable, result_is_out: bool) -> Callable:
     return variant
 
 
-def _selective_state_update_x_store(mixer: Any) -> dict[str, Any]:
-    """One decode update of 3 requests with fresh fp32 inputs: which elements of ``x`` changed,
-    and whether ``x``'s first element became the last state element the kernel computed (last
-    request's slot, last head, last channel, last state entry)."""
-    generator = torch.Generator().manual_seed(7)
-    randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
-    heads, head_dim, state_dim = 2, 4, 4
-    state, x = randn(5, heads, head_dim, state_dim), randn(3, 1, heads, head_dim)
-    x_before = x.clone()
-    slots = torch.tensor([3, 0, 4], dtype=torch.int32)
-    mixer.selective_state_update(
-        state, x, randn(3, 1, heads, 1).expand(-1, -1, -1, head_dim),
-        -torch.rand(heads, generator=generator).view(-1, 1, 1).expand(-1, head_dim, state_dim),
-        randn(3, 1, 1, state_dim), randn(3, 1, 1, state_dim), randn(heads, 1).expand(-1, head_dim),
-        z=None, dt_bias=randn(heads, 1).expand(-1, head_dim), dt_softplus=True, state_batch_indices=slots)
-    return {"changed": (x != x_before).nonzero().tolist(),
-            "first_is_last_state": bool(x.flatten()[0] == state[4, -1, -1, -1])}
-
-
 def main() -> dict[str, Any]:
     from megatron_ext import mcore
     from megatron_ext.cpu_backend._swap import AttributeSwap
@@ -79,7 +59,6 @@ def main() -> dict[str, Any]:
         results["bf16"] = mamba_check.mamba_self_check(bf16)
         mixer = mcore.import_module(mamba_check.MAMBA_MIXER_MODULE)
         conv_varlen = mcore.import_module(mamba_check.CONV_VARLEN_MODULE)
-        results["x_store"] = _selective_state_update_x_store(mixer)
         kernels = [(mixer, "mamba_chunk_scan_combined_varlen", False), (conv_varlen, "causal_conv1d_varlen_fn", True),
                    (mixer, "causal_conv1d_update", True), (mixer, "selective_state_update", True)]
         for key, wrapped in (("scan_variant", kernels[:1]), ("all_variant", kernels)):

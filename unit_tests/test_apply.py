@@ -21,6 +21,7 @@ from megatron_ext.patches.weight_update_invalidation import FIND_MATCH
 from megatron_ext.patches.lru_leaf_first_eviction import EVICT
 from megatron_ext.patches.lru_register_once import REGISTER
 from megatron_ext.patches.lru_resume_evictable import RESUME
+from megatron_ext.patches.mamba_decode_no_dummy import KERNEL
 from megatron_ext.patches.deregister_own_hash import DEREGISTER
 from megatron_ext.patching import PatchState, installed_patches
 
@@ -39,12 +40,14 @@ EXPECTED_STATUS = {
              "mamba-slot-exhaustion": "applicable",
              "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "not needed",
              "mamba-conv-carry": "applicable",
-             "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable"},
+             "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable",
+             "mamba-decode-no-dummy": "applicable"},
     "0.18": {**_FAULTS_017_018, "mamba-chunk-size": "not needed", "mamba-snapshot-offsets": "applicable",
              "mamba-slot-exhaustion": "applicable",
              "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "applicable",
              "mamba-conv-carry": "applicable",
-             "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable"},
+             "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable",
+             "mamba-decode-no-dummy": "applicable"},
     "0.19": {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
@@ -60,12 +63,13 @@ EXPECTED_STATUS = {
         "mamba-conv-carry": "applicable",
         "mamba-continuation-skip": "applicable",
         "mamba-aligned-chunks": "applicable",
+        "mamba-decode-no-dummy": "applicable",
     },
 }
-TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH)
-PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH],
-                   "0.18": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH],
-                   "0.19": [ADD_REQUEST, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH]}
+TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL)
+PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL],
+                   "0.18": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL],
+                   "0.19": [ADD_REQUEST, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL]}
 #: The wrappers on add_request, outermost first (installed in ALL_PATCHES order).
 ADD_REQUEST_STACK = {"0.17": ["matched-block-writes", "lru-pin-before-allocate"],
                      "0.18": ["matched-block-writes", "lru-pin-before-allocate"],

@@ -28,7 +28,8 @@ the run's state dtypes, ``A`` (and the scan's ``dt_bias``) in fp32. Every call g
 of its inputs and state buffers: ``selective_state_update`` updates ``state`` in place and, without
 speculative decoding, also stores into the first element of ``x`` (it passes ``x`` as the
 intermediate-state buffer with zero strides, and the kernel's ``HAS_INT_STATE`` heuristic only
-asks ``is not None``; 0.17.1-0.19.2 and upstream main). In the mixer that ``x`` is a view into the
+asks ``is not None``; 0.17.1-0.19.2 and upstream main: fault H10, which the ``mamba-decode-no-dummy``
+patch fixes). In the mixer that ``x`` is a view into the
 same step's conv output, not read after the call; the interpreter runs programs in grid order, so
 the one program that reads that element has read it before any store. Row views of one ``x``
 reused across calls would compare a corrupted input instead.
