@@ -71,9 +71,9 @@ PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREG
                    "0.18": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL],
                    "0.19": [ADD_REQUEST, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL]}
 #: The wrappers on add_request, outermost first (installed in ALL_PATCHES order).
-ADD_REQUEST_STACK = {"0.17": ["matched-block-writes", "lru-pin-before-allocate"],
-                     "0.18": ["matched-block-writes", "lru-pin-before-allocate"],
-                     "0.19": ["matched-block-writes"]}
+ADD_REQUEST_STACK = {"0.17": ["weight-update-invalidation", "matched-block-writes", "lru-pin-before-allocate"],
+                     "0.18": ["weight-update-invalidation", "matched-block-writes", "lru-pin-before-allocate"],
+                     "0.19": ["weight-update-invalidation", "matched-block-writes"]}
 #: The wrappers on _deregister_blocks, outermost first.
 DEREGISTER_STACK = {"0.17": ["deregister-own-hash", "lru-leaf-first-eviction"],
                     "0.18": ["deregister-own-hash", "lru-leaf-first-eviction"],
@@ -341,7 +341,7 @@ CHECK_WRAPPED = (  # the outermost wrapper of add_request (the last patch instal
 def test_environment_variable_applies_at_import_with_no_code_change():
     done = run_python(CHECK_WRAPPED, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "matched-block-writes"
+    assert done.stdout.strip() == "weight-update-invalidation"
     assert "megatron-ext: matched-block-writes: applied" in done.stderr
     untouched = run_python(CHECK_WRAPPED)
     assert untouched.stdout.strip() == "None"
@@ -356,7 +356,7 @@ def test_environment_variable_applies_the_engine_patch_once_the_engine_is_import
             + "; print(getattr(E.__dict__['post_process_requests'], '_self_megatron_ext_patch', None))")
     done = run_python(code, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["matched-block-writes", "top-n-prefill-chunks"]
+    assert done.stdout.split() == ["weight-update-invalidation", "top-n-prefill-chunks"]
     lines = [line for line in done.stderr.splitlines() if line.startswith("megatron-ext: ")]
     assert len(lines) == len(ALL_PATCHES) + 2  # each patch once, the engine's two twice
     for name in ("top-n-prefill-chunks", "mamba-aligned-chunks"):
@@ -391,7 +391,7 @@ def test_environment_variable_applies_at_once_when_megatron_core_was_imported_fi
     done = run_python(f"import {DYNAMIC_CONTEXT}, os; os.environ['MEGATRON_EXT_AUTO'] = '1'; "
                       "import megatron_ext._startup; " + CHECK_WRAPPED)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "matched-block-writes"
+    assert done.stdout.strip() == "weight-update-invalidation"
     assert done.stderr.count(APPLIED_LINE) == 1
 
 
@@ -410,7 +410,7 @@ def test_environment_variable_applies_once_with_threads_importing_together():
     )
     done = run_python(code, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(["matched-block-writes"] * 4)  # each thread got it patched
+    assert done.stdout.strip() == str(["weight-update-invalidation"] * 4)  # each thread got it patched
     assert done.stderr.count(APPLIED_LINE) == 1  # applied once
 
 
@@ -422,7 +422,7 @@ def test_environment_variable_under_reload_applies_once_and_apply_covers_the_rel
             "import megatron_ext; megatron_ext.apply()\n" + CHECK_WRAPPED + "\n")
     done = run_python(code, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["matched-block-writes", "None", "matched-block-writes"]
+    assert done.stdout.split() == ["weight-update-invalidation", "None", "weight-update-invalidation"]
     assert done.stderr.count(APPLIED_LINE) == 1
 
 
@@ -454,7 +454,7 @@ def test_lazy_attributes_are_the_real_objects():
 def test_import_auto_applies():
     done = run_python("import megatron_ext.auto; " + CHECK_WRAPPED)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "matched-block-writes"
+    assert done.stdout.strip() == "weight-update-invalidation"
     assert "megatron-ext: matched-block-writes: applied" in done.stderr
 
 
