@@ -26,6 +26,7 @@ _LAZY = {
     "MegatronExtError": "errors",
     "MegatronCoreNotFoundError": "errors",
     "PatchRefusedError": "errors",
+    "UnsupportedReleaseError": "errors",
     "WeightUpdatePatchNotApplied": "errors",
 }
 
