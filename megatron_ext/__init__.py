@@ -29,6 +29,7 @@ _LAZY = {
     "MegatronExtError": "errors",
     "MegatronCoreNotFoundError": "errors",
     "PatchRefusedError": "errors",
+    "UnsupportedReleaseError": "errors",
     "WeightUpdatePatchNotApplied": "errors",
 }
 

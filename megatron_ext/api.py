@@ -51,18 +51,19 @@ def status(force: bool | None = None) -> list[PatchResult]:
 
     Returns:
         One :class:`PatchResult` per patch with state APPLIED, APPLICABLE, NOT_NEEDED or REFUSED,
-        or NOT_APPLIED for the patches named in ``MEGATRON_EXT_SKIP``.
+        or NOT_APPLIED for the patches named in ``MEGATRON_EXT_SKIP`` and those whose
+        :attr:`~megatron_ext.patching.Patch.requires` are not met.
 
     Raises:
         MegatronCoreNotFoundError: megatron-core is not importable.
+        UnsupportedReleaseError: megatron-core is not a supported release (unless forced).
         MegatronExtError: ``MEGATRON_EXT_SKIP`` names something that is not a patch.
     """
     force = _env_force() if force is None else force
-    version = mcore.installed_version()
+    version = _version(force)
     skipped = _skipped()
     with _LOCK:
-        return [patch.result(PatchState.NOT_APPLIED, f"skipped by {SKIP_ENV}") if patch.name in skipped
-                else patch.plan(version, force) for patch in ALL_PATCHES]
+        return _plans(version, force, skipped, strict=False)
 
 
 def apply(force: bool | None = None, strict: bool = False) -> list[PatchResult]:
@@ -70,35 +71,34 @@ def apply(force: bool | None = None, strict: bool = False) -> list[PatchResult]:
 
     Args:
         force: apply even to an unsupported release or a changed target (after you checked the
-            code yourself). ``None`` reads ``MEGATRON_EXT_FORCE``.
+            code yourself). ``None`` reads ``MEGATRON_EXT_FORCE``. It does not lift a patch's
+            :attr:`~megatron_ext.patching.Patch.requires`.
         strict: raise instead of reporting a refusal.
 
     Returns:
         One :class:`PatchResult` per patch: APPLIED (now or before), NOT_NEEDED, or REFUSED.
-        Patches named in ``MEGATRON_EXT_SKIP`` (comma-separated) are reported NOT_APPLIED.
+        Patches named in ``MEGATRON_EXT_SKIP`` (comma-separated) are reported NOT_APPLIED, and so
+        is a patch that requires one of them or one refused (REFUSED under ``strict``).
 
     Raises:
         MegatronCoreNotFoundError: megatron-core is not importable.
+        UnsupportedReleaseError: megatron-core is not a supported release (unless forced);
+            nothing is applied.
         PatchRefusedError: with ``strict=True``, if any patch was refused; nothing is applied then.
             A patch named in ``MEGATRON_EXT_SKIP`` is never refused (it is not considered at all).
         MegatronExtError: ``MEGATRON_EXT_SKIP`` names something that is not a patch; nothing is applied.
     """
     force = _env_force() if force is None else force
-    version = mcore.installed_version()
+    version = _version(force)
     skipped = _skipped()
     with _LOCK:
-        # A skipped patch is not planned at all: the job left it out, so its refusal (or a probe
-        # that fails on this machine) must neither raise under strict=True nor be reported.
-        plans = [patch.result(PatchState.NOT_APPLIED, f"skipped by {SKIP_ENV}") if patch.name in skipped
-                 else patch.plan(version, force) for patch in ALL_PATCHES]
+        plans = _plans(version, force, skipped, strict)
         refused = [plan for plan in plans if plan.state is PatchState.REFUSED]
         if strict and refused:
             raise PatchRefusedError("; ".join(f"{r.patch}: {r.reason}" for r in refused))
         results = []
         for patch, plan in zip(ALL_PATCHES, plans):
-            if patch.name in skipped:
-                result = plan
-            elif plan.state is PatchState.APPLICABLE:
+            if plan.state is PatchState.APPLICABLE:
                 patch.install()
                 _INSTALLED.append(patch)
                 result = patch.result(PatchState.APPLIED, plan.reason, plan.evidence)
@@ -107,6 +107,57 @@ def apply(force: bool | None = None, strict: bool = False) -> list[PatchResult]:
             patch.settled(result)
             results.append(result)
         return results
+
+
+def _version(force: bool) -> str:
+    """The installed release, refused unless supported or ``force`` (:func:`mcore.require_supported`)."""
+    version = mcore.installed_version()
+    if not force:
+        mcore.require_supported(version, f", or force with {FORCE_ENV}=1 / apply(force=True) after checking "
+                                "the target code yourself")
+    return version
+
+
+#: States of a required patch that let the patches requiring it apply: its fix is (or is about to
+#: be) installed, or the installed code has it.
+_MET = (PatchState.APPLIED, PatchState.APPLICABLE, PatchState.NOT_NEEDED)
+
+
+def _plans(version: str, force: bool, skipped: set[str], strict: bool) -> list[PatchResult]:
+    """What :func:`apply` does with each patch of ``ALL_PATCHES``, in its order.
+
+    A skipped patch is not planned at all: the job left it out, so its refusal (or a probe that
+    fails on this machine) must neither raise under strict=True nor be reported. A patch that would
+    be applied without a patch it requires (:attr:`Patch.requires`, in any order of
+    ``ALL_PATCHES``) is not: NOT_APPLIED, or REFUSED under ``strict`` when that patch is skipped or
+    refused (a choice of the job, or a release, that leaves the fix wrong).
+    """
+    plans = {patch.name: patch.result(PatchState.NOT_APPLIED, f"skipped by {SKIP_ENV}") if patch.name in skipped
+             else patch.plan(version, force) for patch in ALL_PATCHES}
+    requires = {patch.name: patch.requires for patch in ALL_PATCHES}
+    done: set[str] = set()
+
+    def resolve(name: str) -> PatchResult:
+        plan = plans[name]
+        if name in done or plan.state is not PatchState.APPLICABLE:
+            return plan
+        done.add(name)
+        for required in requires[name]:
+            state = resolve(required).state
+            if state in _MET:
+                continue
+            if required in skipped:
+                why = f"which {SKIP_ENV} leaves out; leave out both or neither"
+            else:
+                why = f"which is {state.value}"
+            refused = strict and (required in skipped or state is PatchState.REFUSED)
+            plans[name] = PatchResult(plan.patch, plan.targets,
+                                      PatchState.REFUSED if refused else PatchState.NOT_APPLIED,
+                                      f"needs {required}, {why}", plan.evidence)
+            break
+        return plans[name]
+
+    return [resolve(patch.name) for patch in ALL_PATCHES]
 
 
 def revert() -> list[PatchResult]:

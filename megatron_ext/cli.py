@@ -653,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_cmp.add_argument("--plot", metavar="PNG", help="also plot |Δ log-prob| per step (matplotlib)")
     p_cmp.add_argument("--only-divergent", action="store_true", help="list only the requests that differ")
     p_cmp.add_argument("--width", type=_width, default=None, help="table width in columns (>= 40; default: the terminal's, or unbounded in a log)")
-    p_cmp.set_defaults(func=cmd_compare)
+    p_cmp.set_defaults(func=cmd_compare, runs_megatron_core=False)  # reads JSON files only
 
     p_src = sub.add_parser(
         "patch-source", help="apply the source patches (patches/) to a megatron-core tree",
@@ -663,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_src.add_argument("path", nargs="?", help="directory holding megatron/core")
     p_src.add_argument("--check", action="store_true", help="report what would be done; change nothing")
     p_src.add_argument("--revert", action="store_true", help="remove the patches")
-    p_src.set_defaults(func=cmd_patch_source)
+    p_src.set_defaults(func=cmd_patch_source, runs_megatron_core=False)  # checks its tree's release itself
     return parser
 
 
@@ -677,12 +677,30 @@ def _quiet_imports() -> None:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
+def _require_supported_release(args: argparse.Namespace) -> None:
+    """Refuse, before a command runs megatron-core, a release megatron-ext does not support;
+    ``MEGATRON_EXT_FORCE=1`` (``status --force``) lets it run, as it lets ``apply()`` patch it.
+
+    Raises:
+        UnsupportedReleaseError: naming the installed and the supported releases.
+        MegatronCoreNotFoundError: megatron-core is not importable.
+    """
+    from .env import flag
+
+    if getattr(args, "force", False) or flag("MEGATRON_EXT_FORCE"):
+        return
+    fix = ", or force with --force after checking the target code yourself" if args.command == "status" else ""
+    mcore.require_supported(mcore.installed_version(), fix)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Errors of megatron-ext print one line on stderr and exit 2."""
     args = build_parser().parse_args(argv)
     args.program = argv is None  # this process is the megatron-ext program (it may re-execute itself)
     _quiet_imports()
     try:
+        if getattr(args, "runs_megatron_core", True):
+            _require_supported_release(args)
         with CtrlC.installed():
             code = args.func(args)
             CtrlC.check()  # pressed while megatron-core swallowed it, after the last engine step

@@ -9,6 +9,23 @@ class MegatronCoreNotFoundError(MegatronExtError):
     """megatron-core cannot be imported, so there is nothing to patch."""
 
 
+class UnsupportedReleaseError(MegatronExtError):
+    """The importable megatron-core is a release megatron-ext was not written for.
+
+    Raised by ``apply()`` and ``status()`` (unless forced) and by every ``megatron-ext`` command
+    that runs megatron-core (exit 2); the message names both releases.
+
+    Attributes:
+        installed: the release found, e.g. ``"0.16.1"``.
+        supported: the releases megatron-ext supports (``megatron_ext.mcore.SUPPORTED_RELEASES``).
+    """
+
+    def __init__(self, installed: str, supported: tuple, fix: str = "") -> None:
+        self.installed, self.supported = installed, tuple(supported)
+        super().__init__(f"megatron-core {installed} is not a supported release (supported: {', '.join(supported)}); "
+                         f"install one of those, e.g. `pip install --no-deps megatron-core=={supported[-1]}`{fix}")
+
+
 class PatchRefusedError(MegatronExtError):
     """A patch was refused: unsupported megatron-core release or changed target code.
 

@@ -12,7 +12,7 @@ from types import ModuleType
 
 from packaging.version import InvalidVersion, Version
 
-from .errors import MegatronCoreNotFoundError
+from .errors import MegatronCoreNotFoundError, UnsupportedReleaseError
 
 #: Releases megatron-ext was written and tested against: the one list. The patches' fingerprints,
 #: patches/index.yaml, scripts/bootstrap.sh, pyproject.toml, .ci/run and the README must agree
@@ -55,6 +55,21 @@ def installed_version() -> str:
             ) from None
 
 
+def require_supported(version: str, fix: str = "") -> None:
+    """Refuse a release megatron-ext was not written for (``base_release(version)`` not in
+    :data:`SUPPORTED_RELEASES`), before any of its modules is looked at.
+
+    Args:
+        version: the installed release (:func:`installed_version`).
+        fix: appended to the message's install hint, e.g. how to force.
+
+    Raises:
+        UnsupportedReleaseError: naming ``version`` and the supported releases.
+    """
+    if base_release(version) not in SUPPORTED_RELEASES:
+        raise UnsupportedReleaseError(version, SUPPORTED_RELEASES, fix)
+
+
 def base_release(version: str) -> str:
     """The public release of a version: ``"0.18.2+624d3fd"`` (a local build) -> ``"0.18.2"``.
 
@@ -80,12 +95,20 @@ def import_module(name: str) -> ModuleType:
     """Import a megatron-core module by dotted name.
 
     Raises:
+        UnsupportedReleaseError: the module is missing from an unsupported release (reached when
+            forced): named with the release, not as an import failure.
         MegatronCoreNotFoundError: megatron-core (or this module of it) cannot be imported.
     """
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
         if exc.name and (exc.name == "megatron" or exc.name.startswith("megatron.")):
+            try:
+                version = installed_version()
+            except MegatronCoreNotFoundError:
+                version = None  # no megatron-core at all: said below
+            if version is not None and base_release(version) not in SUPPORTED_RELEASES:
+                raise UnsupportedReleaseError(version, SUPPORTED_RELEASES, f"; it has no {exc.name}") from None
             raise MegatronCoreNotFoundError(
                 f"cannot import {name} ({exc}); {_INSTALL_HINT}"
             ) from None

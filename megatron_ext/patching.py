@@ -408,6 +408,10 @@ class Patch(ABC):
             the engine module's import): while one's class is not defined yet, :meth:`plan` says
             NOT_APPLIED and imports nothing (megatron-core's imports are circular); the start-up
             hook applies the patch again once that module has been imported.
+        requires: names of the patches this fix is only correct with. ``apply()`` applies it only
+            when each of them is applied with it or not needed (the installed code has that fix);
+            otherwise it reports it NOT_APPLIED (REFUSED under ``strict=True``), naming the one
+            missing.
     """
 
     name: ClassVar[str] = ""
@@ -416,6 +420,7 @@ class Patch(ABC):
     source_patched_fingerprints: ClassVar[dict[str, dict[str, str]]] = {}
     fault_evidence: ClassVar[str] = ""
     waits_for_import: ClassVar[tuple[Target, ...]] = ()
+    requires: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self._saved: dict[Target, Any] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -283,25 +284,78 @@ def test_forced_apply_installs_despite_changed_target(changed_prefix_match):
     assert "matched-block-writes" in installed_patches(ADD_REQUEST)
 
 
-def test_unsupported_release_is_refused(monkeypatch):
-    monkeypatch.setattr(mcore, "installed_version", lambda: "0.16.1")
-    before = ADD_REQUEST.current()
-    results = megatron_ext.apply()
-    assert [r.state for r in results] == [PatchState.REFUSED] * len(ALL_PATCHES)
-    for result in results:
-        assert "megatron-core 0.16.1 is not a supported release" in result.reason
-        assert "0.17.0" in result.reason and "MEGATRON_EXT_FORCE=1" in result.reason
-    assert ADD_REQUEST.current() is before
+#: Run in a fresh interpreter over a megatron-core tree of release 0.16.1: every command of the
+#: command line, ``apply()`` / ``status()`` (unforced and forced) and ``import megatron_ext.auto``;
+#: prints, as JSON, each command's exit code and stderr and each call's exception or results.
+UNSUPPORTED_RELEASE_RUN = r"""
+import argparse, contextlib, io, json, sys
+import megatron_ext
+from megatron_ext import cli
+
+def stderr_of(action):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            outcome = action()
+        except BaseException as exc:
+            outcome = [type(exc).__name__, str(exc)]
+    return [outcome, err.getvalue()]
+
+parser = cli.build_parser()
+commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+argvs = json.loads(sys.argv[1])
+out = {"commands": sorted(commands)}
+out.update({argv[0]: stderr_of(lambda: cli.main(argv)) for argv in argvs})
+out["apply()"] = stderr_of(lambda: repr(megatron_ext.apply()))
+out["status()"] = stderr_of(lambda: repr(megatron_ext.status()))
+out["apply(force=True)"] = stderr_of(lambda: repr(megatron_ext.apply(force=True)))
+out["import megatron_ext.auto"] = stderr_of(lambda: __import__("megatron_ext.auto").auto.RESULTS)
+print(json.dumps(out))
+"""
 
 
-def test_skip_variable_leaves_a_patch_out(monkeypatch):
-    monkeypatch.setenv("MEGATRON_EXT_SKIP", "matched-block-writes")
-    before = ADD_REQUEST.current()
-    results = megatron_ext.apply()
-    assert by_name(results, "matched-block-writes").state is PatchState.NOT_APPLIED
-    assert "matched-block-writes" not in installed_patches(ADD_REQUEST)
-
-
+@pytest.mark.release_independent  # a 0.16.1 tree of its own, whatever is installed
+def test_an_unsupported_release_is_refused_by_name_everywhere(tmp_path):
+    """A megatron-core whose package_info says 0.16.1 (a tree with nothing else: 0.16.1 lacks the
+    modules the patches import, and so does this one): each command that runs megatron-core, and
+    apply() / status(), name it and the supported releases; the automatic entry point says so in
+    one line and applies nothing."""
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (tmp_path / "megatron" / "__init__.py").write_text("")
+    (core / "__init__.py").write_text("")
+    (core / "package_info.py").write_text('MAJOR = 0\nMINOR = 16\nPATCH = 1\nPRE_RELEASE = ""\n')
+    argvs = [["status"], ["ab"], ["soak"], ["save-checkpoint", str(tmp_path / "ckpt")],
+             ["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")], ["patch-source", "--check"]]
+    root = os.path.dirname(os.path.dirname(megatron_ext.__file__))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", UNSUPPORTED_RELEASE_RUN, json.dumps(argvs)],
+                          env={**{k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_EXT_")},
+                               "PYTHONPATH": os.pathsep.join([str(tmp_path), root])},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out.pop("commands") == sorted(argv[0] for argv in argvs)  # a new command needs a line here
+    supported = ", ".join(mcore.SUPPORTED_RELEASES)
+    refusal = (f"megatron-core 0.16.1 is not a supported release (supported: {supported}); install one of "
+               "those, e.g. `pip install --no-deps megatron-core==0.19.2`")
+    forcing = ", or force with MEGATRON_EXT_FORCE=1 / apply(force=True) after checking the target code yourself"
+    assert out == {
+        "status": [2, f"megatron-ext: error: {refusal}, or force with --force after checking the target code "
+                      "yourself\n"],
+        "ab": [2, f"megatron-ext: error: {refusal}\n"],
+        "soak": [2, f"megatron-ext: error: {refusal}\n"],
+        "save-checkpoint": [2, f"megatron-ext: error: {refusal}\n"],
+        # reads recorded JSON files only: any megatron-core, or none, will do
+        "compare": [2, f"megatron-ext: error: {tmp_path / 'a.json'}: no such file; pass the JSON file 'ab --json' "
+                       "or 'soak --json' wrote\n"],
+        # the release of the tree it patches (here the importable one), named by patches/index.yaml
+        "patch-source": [2, f"megatron-ext: error: no source patches for megatron-core 0.16.1; supported: "
+                            f"{supported}\n"],
+        "apply()": [["UnsupportedReleaseError", refusal + forcing], ""],
+        "status()": [["UnsupportedReleaseError", refusal + forcing], ""],
+        "apply(force=True)": [["UnsupportedReleaseError", f"{refusal}; it has no megatron.core.inference"], ""],
+        "import megatron_ext.auto": [[], f"megatron-ext: {refusal}{forcing}; no patch applied\n"],
+    }
 def test_missing_megatron_core_is_one_line_error(monkeypatch, capsys):
     def not_installed(name):
         raise importlib.metadata.PackageNotFoundError(name)
@@ -317,8 +371,6 @@ def test_missing_megatron_core_is_one_line_error(monkeypatch, capsys):
 
 def test_cli_status_json(capsys, mcore_series, mcore_version):
     assert cli.main(["status", "--json"]) == 0
-    import json
-
     payload = json.loads(capsys.readouterr().out)
     assert payload["megatron_core_version"] == mcore_version
     assert {p["patch"]: p["state"] for p in payload["patches"]} == EXPECTED_STATUS[mcore_series]
@@ -458,8 +510,64 @@ def test_import_auto_applies():
     assert "megatron-ext: matched-block-writes: applied" in done.stderr
 
 
-def test_status_shows_the_patches_skip_leaves_out(monkeypatch):
+#: The patches that require another: the Mamba skip fixes recompute tokens inside matched blocks,
+#: whose KV writes fix 2 sends to the dummy block.
+REQUIRES = {"mamba-clamp-restore": ("matched-block-writes",), "mamba-continuation-skip": ("matched-block-writes",)}
+WITHOUT_FIX2 = "needs matched-block-writes, which MEGATRON_EXT_SKIP leaves out; leave out both or neither"
+
+
+@pytest.mark.parametrize("order", ["in order", "reversed"])
+def test_a_patch_whose_requirement_is_skipped_is_not_applied(order, monkeypatch, mcore_series):
+    """``MEGATRON_EXT_SKIP=matched-block-writes``: the patches requiring it are not applied either
+    (refused under strict=True, naming it), forced or not, in any order of ALL_PATCHES; everything
+    else is as without the variable. 0.17 has no clamp: mamba-clamp-restore is not needed there."""
+    from megatron_ext import api
+
+    assert {p.name: p.requires for p in ALL_PATCHES if p.requires} == REQUIRES
+    if order == "reversed":
+        monkeypatch.setattr(api, "ALL_PATCHES", tuple(reversed(ALL_PATCHES)))
     monkeypatch.setenv("MEGATRON_EXT_SKIP", "matched-block-writes")
-    states = {r.patch: (r.state.value, r.reason) for r in megatron_ext.status()}
-    assert states["matched-block-writes"] == ("not applied", "skipped by MEGATRON_EXT_SKIP")
-    assert states["release-refcount"][0] in ("applicable", "not needed", "applied")
+    expected = {name: (state, "the installed code has the fault and matches the recorded fingerprints")
+                for name, state in EXPECTED_STATUS[mcore_series].items() if state == "applicable"}
+    expected.update({"matched-block-writes": ("not applied", "skipped by MEGATRON_EXT_SKIP"),
+                     "mamba-continuation-skip": ("not applied", WITHOUT_FIX2)})
+    if mcore_series != "0.17":
+        expected["mamba-clamp-restore"] = ("not applied", WITHOUT_FIX2)
+
+    def reasons(results):
+        return {r.patch: (r.state.value, r.reason) for r in results if r.patch in expected}
+
+    assert reasons(megatron_ext.status()) == expected
+    applied = {name: ("applied", reason) if state == "applicable" else (state, reason)
+               for name, (state, reason) in expected.items()}
+    assert reasons(megatron_ext.apply(force=True)) == applied
+    stack = PREFIX_MATCH_STACK[mcore_series][::1 if order == "in order" else -1]
+    assert installed_patches(COMPUTE_PREFIX_MATCH) == [name for name in stack if name not in REQUIRES]
+    megatron_ext.revert()
+    dependents = [p.name for p in api.ALL_PATCHES if p.name in expected and p.name in REQUIRES]
+    with pytest.raises(PatchRefusedError) as refused:
+        megatron_ext.apply(strict=True)
+    assert str(refused.value) == "; ".join(f"{name}: {WITHOUT_FIX2}" for name in dependents)
+    assert installed_patches(ADD_REQUEST) == [] and installed_patches(COMPUTE_PREFIX_MATCH) == []
+    monkeypatch.setenv("MEGATRON_EXT_SKIP", "matched-block-writes," + ",".join(REQUIRES))  # both: applies
+    assert PatchState.REFUSED not in {r.state for r in megatron_ext.apply(strict=True)}
+
+
+def test_a_patch_whose_requirement_is_refused_is_not_applied(monkeypatch, mcore_series, mcore_version):
+    """matched-block-writes refused (its recorded fingerprints taken away): the patches requiring it
+    are not applied; under strict=True they are refused with it."""
+    fix2 = next(p for p in ALL_PATCHES if p.name == "matched-block-writes")
+    monkeypatch.setattr(fix2, "fingerprints", {})
+    dependents = [name for name in REQUIRES if EXPECTED_STATUS[mcore_series][name] == "applicable"]
+    fix2_refusal = (f"matched-block-writes was written for megatron-core , not {mcore_version}; force with "
+                    "MEGATRON_EXT_FORCE=1 / apply(force=True) after checking the code yourself")
+    results = {r.patch: (r.state.value, r.reason) for r in megatron_ext.apply()}
+    assert {name: results[name] for name in ["matched-block-writes", *dependents]} == {
+        "matched-block-writes": ("refused", fix2_refusal),
+        **{name: ("not applied", "needs matched-block-writes, which is refused") for name in dependents}}
+    assert not set(REQUIRES) & set(installed_patches(COMPUTE_PREFIX_MATCH))
+    megatron_ext.revert()
+    with pytest.raises(PatchRefusedError) as refused:
+        megatron_ext.apply(strict=True)
+    assert str(refused.value) == "; ".join([f"matched-block-writes: {fix2_refusal}", *(
+        f"{name}: needs matched-block-writes, which is refused" for name in dependents)])

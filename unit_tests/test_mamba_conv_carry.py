@@ -7,7 +7,10 @@ runs megatron-core's engine and Mamba kernels in a subprocess under Triton's int
 
 * a restored mid-prompt Mamba snapshot (token 32) followed by 2 prompt tokens (fails unpatched on
   0.19.x: conv columns 0-1 differ; on 0.17.x / 0.18.x unpatched nothing is restored, fault H4);
-* chunked prefill whose last chunk is 2 tokens (fails unpatched on every release).
+* chunked prefill whose last chunk is 2 tokens (fails unpatched on every release);
+* the same for a block-aligned prompt, whose end-of-prompt Mamba snapshot is committed from the
+  live state after the step: 0.19's snapshot holds the reference conv state (fails unpatched:
+  columns 0-1 differ); 0.17 / 0.18 commit none for a prompt prefilled in chunks.
 
 The SSM state is exact either way (0.17's unpatched chunked SSM differs too: fault H3).
 """
@@ -33,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def probe() -> dict:
     """The probe's JSON (runtime patches applied unless ``MEGATRON_EXT_TEST_UNPATCHED=1``).
-    About 40 s of CPU time."""
+    About 50 s of CPU time."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
     proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "unit_tests.hybrid_state_probe",
                            "unpatched" if UNPATCHED else "patched"],
@@ -55,6 +58,19 @@ def test_restored_mid_prompt_snapshot_then_two_tokens_gives_the_reference_states
 def test_two_token_last_prefill_chunk_gives_the_reference_states(probe):
     chunked = probe["chunked"]
     assert {k: chunked[k] for k in EXACT} == EXACT, chunked
+
+
+#: The ``eos`` probe per release series: the prompt's prefill slices, whether the end-of-prompt
+#: snapshot was committed, and its conv state against the reference (the patch corrects the live
+#: state inside the forward pass, before the commit copies it).
+EOS = {"0.17": {"slices": [15, 15, 2], "committed": False},
+       "0.18": {"slices": [15, 15, 2], "committed": False},
+       "0.19": {"slices": [15, 1, 14, 2], "committed": True, "conv_equal": True, "conv_columns_differing": [[]]}}
+
+
+def test_block_aligned_prompt_ending_in_a_two_token_slice_commits_the_reference_conv_state(probe, mcore_series):
+    eos = probe["eos"]
+    assert {k: eos[k] for k in EOS[mcore_series]} == EOS[mcore_series], eos
 
 
 @pytest.mark.parametrize("lengths", [[0, 1, 2, 3, 4, 7], [2]])

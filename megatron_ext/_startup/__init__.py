@@ -37,10 +37,9 @@ def enabled() -> bool:
 
 
 def _apply_on_import(_module: object) -> None:
-    from ..announce import announce
-    from ..api import apply
+    from ..announce import announce, apply_announced
 
-    changed = [r for r in apply() if _ANNOUNCED.get(r.patch) != r.state.value]
+    changed = [r for r in apply_announced() if _ANNOUNCED.get(r.patch) != r.state.value]
     _ANNOUNCED.update((r.patch, r.state.value) for r in changed)
     announce(changed)
 

@@ -122,6 +122,8 @@ class MambaClampRestorePatch(Patch):
     source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     fault_evidence = ("_compute_prefix_match rounds a hybrid skip down to a block boundary (the "
                       ">= 2-token clamp) without checking that the block has a Mamba state")
+    # without fix 2 the tokens this fix recomputes inside matched blocks write KV into shared blocks
+    requires = ("matched-block-writes",)
 
     def wrappers(self) -> dict[Target, Guarded]:
         return {COMPUTE_PREFIX_MATCH: Guarded(_compute_prefix_match_wrapper, "is_hybrid_model")}

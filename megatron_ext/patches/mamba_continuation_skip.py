@@ -73,6 +73,8 @@ class MambaContinuationSkipPatch(Patch):
     source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     fault_evidence = ("_compute_prefix_match keeps the KV skip of a hybrid request's continuation chunk, "
                       "and add_request restores Mamba state on the first chunk only")
+    # without fix 2 the tokens this fix recomputes inside matched blocks write KV into shared blocks
+    requires = ("matched-block-writes",)
 
     def wrappers(self) -> dict[Target, Guarded]:
         return {COMPUTE_PREFIX_MATCH: Guarded(_compute_prefix_match_wrapper, "is_hybrid_model")}
