@@ -147,6 +147,7 @@ def test_tree_inside_a_git_checkout_is_really_patched(tmp_path):
                        "megatron/core/inference/contexts/kv_block_allocator.py",
                        "megatron/core/inference/contexts/mamba_slot_allocator.py",
                        "megatron/core/inference/engines/dynamic_engine.py",
+                       "megatron/core/inference/inference_request.py",
                        "megatron/core/resharding/refit.py",
                        "megatron/core/ssm/mamba_mixer.py",
                        "megatron/core/ssm/ops/mamba_ssm.py"]
