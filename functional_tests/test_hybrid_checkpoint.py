@@ -78,6 +78,7 @@ def saved(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.breadth
 def test_hybrid_checkpoint_has_megatron_lm_keys_and_loads_bit_for_bit(saved):
     proc = subprocess.run([sys.executable, "-c", _COMPARE, str(CASE), str(saved), str(S1)],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
@@ -100,6 +101,7 @@ def test_hybrid_checkpoint_has_megatron_lm_keys_and_loads_bit_for_bit(saved):
 
 
 @pytest.mark.slow
+@pytest.mark.breadth
 def test_ab_load_of_a_hybrid_checkpoint_passes(saved):
     proc = subprocess.run([sys.executable, "-m", "megatron_ext", "ab", "--case", str(CASE), "--load", str(saved)],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)

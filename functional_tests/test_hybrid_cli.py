@@ -52,6 +52,7 @@ def self_check_line(lines: list[str]) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.release_independent
 def test_ab_hybrid_case_without_triton_variables_passes(tmp_path):
     code, text = run_logged(tmp_path, "ab", "--case", str(HYBRID_TINY), "--no-progress")
     lines = assert_reads_cleanly(text)
@@ -63,6 +64,7 @@ def test_ab_hybrid_case_without_triton_variables_passes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.release_independent
 def test_ab_bf16_hybrid_with_bf16_mamba_states_warns_and_names_the_fault(tmp_path):
     """hybrid_tiny as a bf16 model with megatron-core's default Mamba state dtype (the model's):
     r1 restores r0's bf16 snapshot at token 48 and differs from caching off in its log-probs (every
