@@ -27,7 +27,7 @@ batch-invariant (row-wise) matrix products. The modes differ in the trainer forw
   still passes); that kernel is checked on its own against float64 dense attention
   (``unit_tests/test_cpu_backend_attention.py``).
   Nor does it say anything of a GPU stack, where the engine's flash-attention decode and the
-  trainer's attention kernel reduce in different orders (README: "Trainer vs engine log-probs").
+  trainer's attention kernel reduce in different orders (docs/ab.md: "Trainer vs engine log-probs").
 * ``megatron``: megatron-core's training forward as released, with torch's CPU kernels
   (``DotProductAttention``, torch's matrix products) against the CPU backend's engine: what
   megatron-core's own training forward leaves against that engine's arithmetic; not what a user
@@ -73,7 +73,7 @@ class TrainerLogProbsError(MegatronExtError):
 class TrainerForward:
     """How the trainer forward computes: each piece either as the engine computes it on the CPU
     backend, or as megatron-core / torch ship it. ``matched`` is both matched, ``megatron`` both
-    as shipped; the mixed ones show what one op alone leaves (README: "Trainer vs engine log-probs").
+    as shipped; the mixed ones show what one op alone leaves (docs/ab.md: "Trainer vs engine log-probs").
 
     Attributes:
         attention: ``matched`` (per-query reference attention) or ``megatron`` (``DotProductAttention``).
