@@ -54,7 +54,7 @@ def test_caching_on_is_bit_identical_to_off(soak):
 
     Seed 5 differed in 4 of 8 requests (2.4e-7 - 4.8e-7) before fault H9's fix: the scheduler cut
     prompts off the Mamba chunk grid at budgets that differ with caching on and off
-    (``notes/issue22-soak.md``). Unpatched (``MEGATRON_EXT_TEST_UNPATCHED=1``) it fails."""
+    (``docs/hybrid.md``, "Fault H9"). Unpatched (``MEGATRON_EXT_TEST_UNPATCHED=1``) it fails."""
     code, report, output = soak
     differing = [(p["eviction_policy"], r["label"], r["max_abs_delta_log_prob"])
                  for p in report["policies"] for r in p["requests"] if not r["identical"]]

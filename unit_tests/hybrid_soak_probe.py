@@ -10,7 +10,7 @@ MAMBA_DETERMINISTIC=1`` (``soak --hybrid``'s workload, caching off and LRU; the 
   step, prefill or decode) and the max |Δ| of that K / V against the KV the caching-off run's same
   request read there.
 
-Notes: ``notes/issue22-soak.md`` (fault H9). A diagnostic, not a test: seconds of CPU per step.
+Findings: ``docs/hybrid.md``, "Fault H9: prefill chunks cut off the Mamba chunk grid". A diagnostic, not a test: seconds of CPU per step.
 """
 
 from __future__ import annotations
