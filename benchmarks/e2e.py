@@ -62,7 +62,8 @@ class _InsideTimer:
     cost (two clock reads per call) is the same in both variants.
     """
 
-    CONTEXT = ("add_request", "check_availability", "resume_paused_requests", "_find_kv_match_count")
+    CONTEXT = ("add_request", "check_availability", "resume_paused_requests", "_find_kv_match_count",
+               "initialize_attention_state")
     ALLOCATOR = ("release_memory_blocks", "register_kv_block_hashes", "evict_lru_blocks",
                  "_deregister_blocks")
 

@@ -64,7 +64,9 @@ class Worker:
         self.functions["passthrough8"] = {
             k: (wrapt.FunctionWrapper(f, _pass_through) if k in fault8_targets else f)
             for k, f in self.functions["unpatched"].items()}
-        self.patches = [{"patch": r.patch, "state": r.state.value, "reason": r.reason} for r in results]
+        wrapped = {p.name: sorted(t.qualname for t in p.wrappers()) for p in ALL_PATCHES}
+        self.patches = [{"patch": r.patch, "state": r.state.value, "reason": r.reason,
+                         "targets": wrapped.get(r.patch, [])} for r in results]
         import megatron.core
 
         self.info = {
@@ -151,6 +153,12 @@ class Worker:
     def op_e2e_setup(self, case: str, short: bool) -> dict:
         from .e2e import EndToEndBench
 
+        if self.e2e_bench is not None:
+            # A second engine section in this worker (e.g. e2e, then lru): leave the first one's
+            # CPU backend first. Left to the garbage collector, its exit would restore the real
+            # torch.cuda functions under the new backend (megatron-core then asks a GPU driver).
+            self.e2e_bench.close()
+            self.e2e_bench = None
         self.e2e_bench = bench = EndToEndBench(case, short)
         return {"case": bench.case.name, "requests": len(bench.planned),
                 "policies": list(bench.case.prefix_caching_eviction_policies),
