@@ -141,7 +141,7 @@ def test_fault4_matched_blocks_are_pinned_before_allocating(runtime_patches_eith
 def test_add_request_matches_its_prefix_once(runtime_patches_either_order):
     """The admission path computes a request's prefix match once: lru-pin-before-allocate (0.17/0.18)
     hands the match it computed to the released add_request instead of letting it match again.
-    Regression guard for the admission cost (README, Benchmarks), on every release."""
+    Regression guard for the admission cost (benchmarks/README.md), on every release."""
     with four_block_lru_context() as ctx:
         step(ctx, (1, A))
         step(ctx, (2, B))  # the pool is full of cached blocks: allocation must evict

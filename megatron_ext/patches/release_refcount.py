@@ -56,7 +56,7 @@ def release_blocks_per_occurrence(allocator: Any, blocks: torch.Tensor) -> None:
         RefCountUnderflowError: some block would drop below zero. Nothing is changed.
         IndexError / RuntimeError from torch: an ID outside ``[0, total_count)`` (callers filter
         the block tables' -1 padding, as upstream's fix assumes too). Not pre-checked: a range
-        check costs about a tenth of a small release (README, "Benchmarks").
+        check costs about a tenth of a small release (benchmarks/README.md).
         Any exception raised while handing back the blocks that reached zero (for instance by
         ``_deregister_blocks`` or its Mamba hook) propagates after ref counts, hash map, hashes
         and free pool are restored to what they were before the call. Not restored: whatever
@@ -141,8 +141,8 @@ def _distinct(allocator: Any, ids: torch.Tensor) -> torch.Tensor:
     deterministic on the CPU, not on the GPU, so on 0.17 the order blocks return to the free pool
     may vary between runs; the set does not). ``scatter_reduce_`` amin would fix the order but
     costs more. ``torch.unique``'s sort grows with the IDs, the linear pass costs a flat four ops
-    of dispatch below ~1,000 IDs; the threshold sits where they cross (figures: README,
-    "Benchmarks").
+    of dispatch below ~1,000 IDs; the threshold sits where they cross (figures:
+    benchmarks/README.md).
     """
     if ids.numel() < _LINEAR_DEDUPE_FROM:
         return torch.unique(ids)
