@@ -204,6 +204,26 @@ def test_revert_gives_stale_requests_their_hashes_back_and_apply_counts_as_an_up
     assert fault8.context_epoch(ctx) == (epoch if UNPATCHED else epoch + 1)
 
 
+@pytest.mark.skipif(UNPATCHED or SOURCE_PATCHED, reason="the runtime patch's per-token books")
+def test_a_request_that_ran_while_reverted_has_no_recorded_weight_versions(ctx):
+    """Tokens generated between revert() and apply() ran under weights the patch could not see (a
+    swap meanwhile goes unseen): their versions are unknown, not the version before the revert. A
+    request that made no progress meanwhile keeps its versions."""
+    busy, idle = make_request(1, A), make_request(2, B)
+    ctx.add_request(busy)
+    ctx.add_request(idle)  # both prefills begin at weight version 0
+    busy.generated_tokens, idle.generated_tokens = [5], [6]
+    megatron_ext.revert()
+    busy.generated_tokens.append(7)  # decoded while reverted
+    megatron_ext.apply()
+    invalidate(ctx)  # weight version 1
+    busy.generated_tokens.append(8)
+    idle.generated_tokens.append(9)
+    with pytest.raises(megatron_ext.WeightVersionsNotRecorded, match="request 1: it ran while megatron-ext was reverted"):
+        megatron_ext.token_weight_versions(busy)
+    assert megatron_ext.token_weight_versions(idle) == megatron_ext.TokenWeightVersions(logits=(0, 1), kv_prefix=(0, 0))
+
+
 @pytest.mark.parametrize("stage", ["queued", "chunked", "stale", "finished"])
 def test_requests_and_records_round_trip_after_the_patches_touched_them(ctx, stage):
     """``deserialize(serialize())`` of a request at each stage of a straddling prefill that matched
