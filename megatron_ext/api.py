@@ -257,7 +257,8 @@ def token_weight_versions(request: Any) -> "TokenWeightVersions":
 
     Raises:
         WeightVersionsNotRecorded: admitted while the ``weight-update-invalidation`` patch was not
-            applied (or under ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep``), or a merged / deserialized copy.
+            applied (or under ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep``), a merged / deserialized copy,
+            or it ran while the patch was reverted (a swap then goes unseen).
     """
     from .patches.weight_versions import token_weight_versions as versions
 

@@ -394,10 +394,12 @@ class WeightUpdateInvalidationPatch(Patch):
         if self._reverted:  # weights may have been swapped unseen while reverted
             with _LOCK:
                 _current_version += 1
+            weight_versions.note_reapply()
 
     def uninstall(self) -> bool:
         SWAP_HOOK.uninstall()
         weight_versions.restore_all_hashes()
+        weight_versions.note_revert()
         self._reverted = True
         return super().uninstall()
 

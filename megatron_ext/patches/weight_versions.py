@@ -35,6 +35,10 @@ class RequestBooks:
             logits each generated token was sampled from.
         kv: ``(first generated-token index, epoch)`` boundaries: the oldest weights that computed
             any KV in that token's prefix (the epoch its prefill began in).
+        reverted_at: the request's progress (prefilled prompt tokens, generated tokens) when the
+            patch was reverted while it was unfinished; None otherwise.
+        ran_unseen: it made progress while the patch was reverted: the weights of what it computed
+            meanwhile are unknown (a swap made then went unseen), so no version is reported.
     """
 
     prefill_epoch: Optional[int]
@@ -42,6 +46,8 @@ class RequestBooks:
     stashed_hashes: Optional[list[int]] = None
     logits: list[tuple[int, int]] = field(default_factory=list)
     kv: list[tuple[int, int]] = field(default_factory=list)
+    reverted_at: Optional[tuple[int, int]] = None
+    ran_unseen: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,26 @@ def restore_all_hashes() -> None:
             request.precomputed_block_hashes, books.stashed_hashes = books.stashed_hashes, None
 
 
+def _progress(request: Any) -> tuple[int, int]:
+    return request.finished_chunk_token_count, len(request.generated_tokens or ())
+
+
+def note_revert() -> None:
+    """The patch is reverted: remember how far each unfinished request got, so that what it
+    computes until the next ``apply()`` (under weights nothing records) is known to be unseen."""
+    for request, books in live_requests():
+        if not _finished(request):
+            books.reverted_at = _progress(request)
+
+
+def note_reapply() -> None:
+    """The patch is applied again: a request that made progress while it was reverted ran unseen."""
+    for request, books in live_requests():
+        if books.reverted_at is not None:
+            books.ran_unseen |= _progress(request) != books.reverted_at
+            books.reverted_at = None
+
+
 def _expand(boundaries: list[tuple[int, int]], count: int) -> list[int]:
     versions = []
     for i, (start, epoch) in enumerate(boundaries):
@@ -144,7 +170,8 @@ def token_weight_versions(request: Any) -> TokenWeightVersions:
 
     Raises:
         WeightVersionsNotRecorded: the request (or one part of a record) was admitted while the
-            ``weight-update-invalidation`` patch was not applied, or is a copy.
+            ``weight-update-invalidation`` patch was not applied, is a copy, or made progress
+            while the patch was reverted.
     """
     parts = list(getattr(request, "requests", None) or [request])
     logits: list[int] = []
@@ -159,6 +186,10 @@ def token_weight_versions(request: Any) -> TokenWeightVersions:
                 f"request {part.request_id}: no weight versions recorded; they are recorded for the request "
                 "objects the engine ran while the weight-update-invalidation patch was applied (megatron_ext.apply() "
                 "before adding requests; pass the engine's record, not a merged or deserialized copy)")
+        if books.ran_unseen or (books.reverted_at is not None and _progress(part) != books.reverted_at):
+            raise WeightVersionsNotRecorded(
+                f"request {part.request_id}: it ran while megatron-ext was reverted (between revert() and apply()), "
+                "under weights no version was recorded for (a weight swap then goes unseen)")
         logits += _expand(books.logits, count)
         kv += _expand(books.kv, count)
     return TokenWeightVersions(tuple(logits), tuple(kv))
