@@ -308,6 +308,16 @@ def test_invalidate_is_idempotent(ctx):
     assert (first.blocks_unreachable, second) == (2, fault8.InvalidationResult(epoch=2))
 
 
+def test_invalidate_without_prefix_caching_only_moves_the_weight_version(runtime_patches):
+    """Caching off (``ab``'s baseline run calls it too): nothing to flush, the epoch advances."""
+    with cuda_on_cpu():
+        context = small_prefix_caching_context(
+            "REF_ZERO", block_size_tokens=BLOCK, buffer_size_gb=9 * KV_BYTES_PER_BLOCK / 2**30, max_requests=8,
+            max_tokens=256, max_sequence_length=256, prefix_caching=False)
+    assert invalidate(context) == fault8.InvalidationResult(epoch=1)
+    assert fault8.context_epoch(context) == 1
+
+
 @pytest.mark.skipif(UNPATCHED, reason="the API itself is megatron-ext's")
 def test_api_takes_an_engine_or_a_context_and_refuses_anything_else(ctx):
     engine = type("Engine", (), {"context": ctx})()

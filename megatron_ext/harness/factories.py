@@ -23,9 +23,11 @@ def small_prefix_caching_context(
     max_requests: int,
     max_tokens: int,
     max_sequence_length: int,
+    prefix_caching: bool = True,
 ) -> Any:
     """A ``DynamicInferenceContext`` for add_request-level work (tests, benchmarks): 2 layers,
-    4 heads of 16 channels, fp32 KV cache, prefix caching and chunked prefill on.
+    4 heads of 16 channels, fp32 KV cache, prefix caching (unless ``prefix_caching=False``) and
+    chunked prefill on.
 
     ``policy`` is ``"REF_ZERO"`` or ``"LRU"``; ``buffer_size_gb`` is the KV buffer in GiB.
     On a CPU machine call it inside ``megatron_ext.cpu_backend.cuda_on_cpu()``.
@@ -41,7 +43,7 @@ def small_prefix_caching_context(
     inference = config.InferenceConfig(
         block_size_tokens=block_size_tokens, buffer_size_gb=buffer_size_gb,
         max_requests=max_requests, max_tokens=max_tokens, max_sequence_length=max_sequence_length,
-        enable_prefix_caching=True, enable_chunked_prefill=True,
+        enable_prefix_caching=prefix_caching, enable_chunked_prefill=True,
         prefix_caching_eviction_policy=getattr(config.PrefixCachingEvictionPolicy, policy),
     )
     return dynamic_context.DynamicInferenceContext(model_config, inference)
