@@ -436,7 +436,8 @@ def test_api_calls_the_contexts_own_flush_where_the_runtime_patch_is_not_needed(
     calls = []
 
     class SourcePatchedContext:
-        kv_block_allocator = types.SimpleNamespace(block_hashes=torch.full((4,), -1), kv_hash_to_block_id={})
+        kv_block_allocator = types.SimpleNamespace(enable_prefix_caching=True, block_hashes=torch.full((4,), -1),
+                                                   kv_hash_to_block_id={})
         prefix_cache_epoch = 5
 
         def invalidate_prefix_cache(self):

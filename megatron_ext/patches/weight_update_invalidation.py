@@ -224,8 +224,11 @@ def flush(context: Any) -> InvalidationResult:
 
 def checked(context: Any, result: InvalidationResult) -> InvalidationResult:
     """``result`` with the blocks a request could still match after a flush counted; a warning
-    (once) names them, so that a flush never does nothing silently."""
+    (once) names them, so that a flush never does nothing silently. Unchanged with prefix caching
+    off (the allocator has no hash table then)."""
     allocator = context.kv_block_allocator
+    if not allocator.enable_prefix_caching:
+        return result
     left = int((allocator.block_hashes != -1).sum()) + len(allocator.kv_hash_to_block_id)
     if left:
         warn_once("still-matchable", f"invalidate_prefix_cache: {left} prefix-cache entries are still matchable "
