@@ -26,6 +26,7 @@ import megatron_ext
 from megatron_ext.cpu_backend import cuda_on_cpu
 from megatron_ext.errors import MegatronExtError, WeightUpdatePatchNotApplied
 from megatron_ext.harness.factories import small_prefix_caching_context
+from megatron_ext.harness.step_loop import taken_in
 from megatron_ext.patches import ALL_PATCHES
 from megatron_ext.patches import weight_update_invalidation as fault8
 from megatron_ext.patches import weight_versions
@@ -250,6 +251,20 @@ def test_requests_and_records_round_trip_after_the_patches_touched_them(ctx, sta
     if record_type is not None:  # 0.18+
         again = record_type.deserialize(record_type.from_request(request).serialize())
         assert [getattr(again[-1], f) for f in fields] == [getattr(request, f) for f in fields]
+
+
+def test_in_flight_tokens_of_a_chunked_prefill_count_the_matched_blocks_it_reads(ctx):
+    """``ab`` judges whether an update reached a request at the same token with caching on and off
+    by the tokens whose KV it holds. A chunk ending inside a matched block leaves the rest of that
+    block's KV (computed before the update) to be read, not recomputed under the new weights: those
+    tokens count (0.17/0.18 engines end a chunk there; unpatched, fault 2 recomputes them into the
+    shared block)."""
+    ctx.add_request(make_request(9, A))
+    request = make_request(1, A + B)
+    ctx.add_request(request, 24)  # matches A's two blocks, prefills 24 tokens
+    finish_chunk(ctx, request, 24)
+    engine = types.SimpleNamespace(requests={1: types.SimpleNamespace(record=[request])}, waiting_request_ids=[1])
+    assert taken_in(engine, 1) == (24 if UNPATCHED else 32)
 
 
 def test_a_request_queued_before_the_update_matches_only_blocks_cached_after_it(ctx):
