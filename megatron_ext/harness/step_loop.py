@@ -90,14 +90,26 @@ def _generated(engine: Any, request_id: int) -> int:
 
 
 def taken_in(engine: Any, request_id: int) -> int:
-    """Tokens of a live request whose KV the engine has computed: its prompt (only the chunks
-    prefilled so far while it waits in the queue) plus the tokens it generated."""
+    """Tokens of a live request whose KV the engine holds for it: its prompt (while it waits in the
+    queue, the chunks prefilled so far and the rest of any block it obtained by a hash match, whose
+    KV it reads rather than recomputes) plus the tokens it generated."""
     request = engine.requests[request_id].record[-1]
     if request_id in engine.waiting_request_ids:
         prompt = request.finished_chunk_token_count
+        if prompt:
+            prompt = max(prompt, min(_matched_end(request), len(request.prompt_tokens)))
     else:
         prompt = len(request.prompt_tokens)
     return prompt + _generated(engine, request_id)
+
+
+def _matched_end(request: Any) -> int:
+    """End of the prompt positions a request got by hash match (fix 2's ranges: its KV writes
+    there go to the dummy block, its reads to the matched blocks); 0 without fix 2."""
+    from ..patches.matched_block_writes import MATCHED_RANGES
+
+    ranges = MATCHED_RANGES.get(request) or getattr(request, "_matched_kv_token_ranges", None) or ()
+    return max((stop for _, stop in ranges), default=0)
 
 
 def merged_record(record: Any) -> Any:

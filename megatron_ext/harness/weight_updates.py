@@ -50,8 +50,9 @@ class UpdateRecord:
         kind: ``train_step``, ``perturb`` or ``checkpoint``.
         suspend_resume: made between ``engine.suspend()`` and ``engine.resume()``.
         in_flight: request IDs live in the engine at the update (they run on across it).
-        in_flight_tokens: request ID -> its tokens whose KV the engine had computed at the update
-            (prompt tokens prefilled + tokens generated; 0 while it waits for admission), for each of
+        in_flight_tokens: request ID -> its tokens whose KV the engine held for it at the update
+            (prompt tokens prefilled, and the rest of a block obtained by hash match that a chunk
+            ended in, + tokens generated; 0 while it waits for admission), for each of
             ``in_flight``. Caching off and on must agree: otherwise the new weights start at another
             token of that request and its outputs cannot be compared.
         trained_on: ``train_step``: request IDs whose prompt + generated tokens were the batch
