@@ -435,9 +435,14 @@ def test_source_patched_tree_needs_no_runtime_patch_and_the_api_flushes_it(ctx, 
     assert mcore_version in releases
     assert all(f"{name.split('.')[-1]} {digest}" in state.evidence
                for name, digest in fault8.SOURCE_PATCHED_FINGERPRINTS[mcore_version].items())
-    ctx.add_request(make_request(1, A))  # row 0 holds [6, 7]
+    request = make_request(1, A)
+    ctx.add_request(request)  # row 0 holds [6, 7]
     assert megatron_ext.invalidate_prefix_cache(ctx) == fault8.InvalidationResult(blocks_unreachable=2, epoch=1)
     assert registered(ctx) == {} and fault8.context_epoch(ctx) == ctx.prefix_cache_epoch == 1
+    # no runtime patch, so no per-token books: the error says so rather than "call apply()"
+    request.generated_tokens = [5]
+    with pytest.raises(megatron_ext.WeightVersionsNotRecorded, match="request 1: .*carries megatron-ext's source patches"):
+        megatron_ext.token_weight_versions(request)
     # keep only governs the runtime patch: status says so, the source-patched code still flushes
     monkeypatch.setenv(fault8.ON_WEIGHT_UPDATE_ENV, "keep")
     state = {r.patch: r for r in megatron_ext.status()}["weight-update-invalidation"]
