@@ -170,8 +170,8 @@ def token_weight_versions(request: Any) -> TokenWeightVersions:
 
     Raises:
         WeightVersionsNotRecorded: the request (or one part of a record) was admitted while the
-            ``weight-update-invalidation`` patch was not applied, is a copy, or made progress
-            while the patch was reverted.
+            ``weight-update-invalidation`` patch was not applied (always, on megatron-core carrying
+            the source patches), is a copy, or made progress while the patch was reverted.
     """
     parts = list(getattr(request, "requests", None) or [request])
     logits: list[int] = []
@@ -181,6 +181,11 @@ def token_weight_versions(request: Any) -> TokenWeightVersions:
         count = len(part.generated_tokens or ())
         if count == 0:
             continue
+        if books is None and hasattr(part, "prefix_cache_epoch"):  # the source patches' request field
+            raise WeightVersionsNotRecorded(
+                f"request {part.request_id}: no weight versions recorded: this megatron-core carries megatron-ext's "
+                "source patches, where the weight-update-invalidation runtime patch (which records them) is not "
+                "needed and never applied; they are recorded on released megatron-core with megatron_ext.apply()")
         if books is None or not books.kv or books.kv[0][0] > 0:
             raise WeightVersionsNotRecorded(
                 f"request {part.request_id}: no weight versions recorded; they are recorded for the request "
