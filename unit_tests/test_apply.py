@@ -24,7 +24,7 @@ from megatron_ext.patches.lru_register_once import REGISTER
 from megatron_ext.patches.lru_resume_evictable import RESUME
 from megatron_ext.patches.mamba_decode_no_dummy import KERNEL
 from megatron_ext.patches.deregister_own_hash import DEREGISTER
-from megatron_ext.patching import PatchState, installed_patches
+from megatron_ext.patching import PatchState, installed_patches, recorded_fingerprints
 
 from .allocator_factory import make_allocator, pin, ref_counts
 
@@ -554,13 +554,13 @@ def test_a_patch_whose_requirement_is_skipped_is_not_applied(order, monkeypatch,
 
 
 def test_a_patch_whose_requirement_is_refused_is_not_applied(monkeypatch, mcore_series, mcore_version):
-    """matched-block-writes refused (its recorded fingerprints taken away): the patches requiring it
-    are not applied; under strict=True they are refused with it."""
-    fix2 = next(p for p in ALL_PATCHES if p.name == "matched-block-writes")
-    monkeypatch.setattr(fix2, "fingerprints", {})
+    """matched-block-writes refused (its entry taken out of fingerprints.json): the patches
+    requiring it are not applied; under strict=True they are refused with it."""
+    monkeypatch.delitem(recorded_fingerprints()["released"], "matched-block-writes")
     dependents = [name for name in REQUIRES if EXPECTED_STATUS[mcore_series][name] == "applicable"]
-    fix2_refusal = (f"matched-block-writes was written for megatron-core , not {mcore_version}; force with "
-                    "MEGATRON_EXT_FORCE=1 / apply(force=True) after checking the code yourself")
+    fix2_refusal = ("no fingerprints of matched-block-writes are recorded in megatron_ext/fingerprints.json; "
+                    "record them with scripts/record_fingerprints.py, or force with MEGATRON_EXT_FORCE=1 / "
+                    "apply(force=True) after checking the code yourself")
     results = {r.patch: (r.state.value, r.reason) for r in megatron_ext.apply()}
     assert {name: results[name] for name in ["matched-block-writes", *dependents]} == {
         "matched-block-writes": ("refused", fix2_refusal),
