@@ -326,6 +326,7 @@ class PatchResult:
         state: see :class:`PatchState`.
         reason: one human sentence saying why.
         evidence: what the decision rests on (probe result, fingerprint comparison), or ``""``.
+        fault: the ID of the fault the patch fixes (:attr:`Patch.fault`), e.g. ``"8"``, ``"H7"``.
     """
 
     patch: str
@@ -333,10 +334,12 @@ class PatchResult:
     state: PatchState
     reason: str
     evidence: str = ""
+    fault: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "patch": self.patch,
+            "fault": self.fault,
             "targets": list(self.targets),
             "state": self.state.value,
             "reason": self.reason,
@@ -424,11 +427,21 @@ class RecordedFingerprints:
         return recorded_fingerprints()[self.kind].get(owner.name, {})
 
 
+def fault_label(patch: type[Patch] | Patch) -> str:
+    """``fault <ID> (<patch name>)``, e.g. ``fault 8 (weight-update-invalidation)``: how audits
+    and failure messages name the fault a patch fixes."""
+    return f"fault {patch.fault} ({patch.name})"
+
+
 class Patch(ABC):
     """One runtime fix, declared by its subclass's class attributes plus :meth:`wrappers`.
 
     Attributes:
-        name: short name used in status output and in the ``MEGATRON_EXT_SKIP`` variable.
+        name: short name used in status output and in the ``MEGATRON_EXT_SKIP`` variable; the
+            class is named after it (``lru-leaf-first-eviction``: ``LruLeafFirstEvictionPatch``).
+        fault: the ID of the fault it fixes, as the README's table of faults numbers them: ``"1"``
+            to ``"9"`` for prefix caching, ``"H1"`` to ``"H10"`` for hybrid models
+            (:func:`fault_label` spells it in audits and failure messages).
         fingerprints: release -> {``Class.method``: fingerprint} of every target and every
             function the wrapper relies on (:meth:`checked_functions`), recorded from the released
             wheels; read from :data:`FINGERPRINTS_FILE` by :attr:`name`.
@@ -450,6 +463,7 @@ class Patch(ABC):
     """
 
     name: ClassVar[str] = ""
+    fault: ClassVar[str] = ""
     fingerprints: ClassVar[dict[str, dict[str, str]]] = RecordedFingerprints("released")
     source_patched_targets: ClassVar[tuple[Target, ...]] = ()
     source_patched_fingerprints: ClassVar[dict[str, dict[str, str]]] = RecordedFingerprints("source_patched")
@@ -495,7 +509,7 @@ class Patch(ABC):
         return all(self.name in installed_patches(t) for t in self.wrappers())
 
     def result(self, state: PatchState, reason: str, evidence: str = "") -> PatchResult:
-        return PatchResult(self.name, self.target_names(), state, reason, evidence)
+        return PatchResult(self.name, self.target_names(), state, reason, evidence, self.fault)
 
     def check(self, version: str) -> PatchResult | None:
         """Refusal result if the release or a target's code is not what this patch knows, else None."""

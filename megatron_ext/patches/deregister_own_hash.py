@@ -89,6 +89,7 @@ class DeregisterOwnHashPatch(Patch):
     """Drops a hash-map entry only with the block it points at (see module docstring)."""
 
     name = "deregister-own-hash"
+    fault = "9"
     source_patched_targets = (DEREGISTER,)
     fault_evidence = ("no megatron-core release up to 0.19.2 (nor upstream main) checks whom a "
                       "hash-map entry points at before popping it")

@@ -359,10 +359,11 @@ def probe_eviction_order(evict: Callable) -> tuple[bool, str]:
                     f"{evicted} ({verdict})")
 
 
-class LeafFirstEvictionPatch(Patch):
+class LruLeafFirstEvictionPatch(Patch):
     """Backports 0.19's leaf-first LRU eviction to 0.17/0.18 (see module docstring)."""
 
     name = "lru-leaf-first-eviction"
+    fault = "3"
 
     def wrappers(self) -> dict[Target, Callable | Guarded]:
         return {INIT: _init_wrapper, REGISTER: _register_wrapper, DEREGISTER: _deregister_wrapper,

@@ -112,10 +112,11 @@ def _check_availability_wrapper(wrapped: Callable, context: Any, args: tuple, kw
     return request_fits, tokens_fit, blocks_after_match_fit(context, req)
 
 
-class PinBeforeAllocatePatch(Patch):
+class LruPinBeforeAllocatePatch(Patch):
     """Pins matched blocks before ``add_request`` allocates, 0.17/0.18 (see module docstring)."""
 
     name = "lru-pin-before-allocate"
+    fault = "4"
 
     def wrappers(self) -> dict[Target, Guarded]:
         return {ADD_REQUEST: lru_only(_add_request_wrapper),

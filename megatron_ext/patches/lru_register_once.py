@@ -100,10 +100,11 @@ def probe_double_registration(register: Callable) -> tuple[bool, str]:
     return children != 1, f"probe: block 1 (parent 0) registered twice -> block 0 child count {children}"
 
 
-class RegisterOncePatch(Patch):
+class LruRegisterOncePatch(Patch):
     """Makes 0.19's ``register_kv_block_hashes`` idempotent (see module docstring)."""
 
     name = "lru-register-once"
+    fault = "5"
 
     def wrappers(self) -> dict[Target, Guarded]:
         return {REGISTER: lru_only(_register_wrapper)}

@@ -102,10 +102,11 @@ def _resume_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
     return resume_into_evictable(context, *args, **kwargs)
 
 
-class ResumeEvictablePatch(Patch):
+class LruResumeEvictablePatch(Patch):
     """Lets paused requests resume into evictable cached blocks (see module docstring)."""
 
     name = "lru-resume-evictable"
+    fault = "6"
     source_patched_targets = (RESUME,)
     fault_evidence = "no megatron-core release up to 0.19.2 counts evictable blocks when resuming"
 

@@ -146,6 +146,7 @@ class MambaAlignedChunksPatch(Patch):
     """Ends a hybrid request's non-final prefill chunks on the Mamba chunk grid (module docstring)."""
 
     name = "mamba-aligned-chunks"
+    fault = "H9"
     source_patched_targets = (SCHEDULE,)
     fault_evidence = ("schedule_chunked_prefill cuts a prompt at the step's token budget, off the Mamba "
                       "chunk grid of a hybrid model's chunked scan")

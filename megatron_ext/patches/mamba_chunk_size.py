@@ -62,6 +62,7 @@ class MambaChunkSizePatch(Patch):
     """Keeps the model's Mamba chunk size in 0.17's prefill metadata (see module docstring)."""
 
     name = "mamba-chunk-size"
+    fault = "H3"
 
     def wrappers(self) -> dict[Target, Callable]:
         return {ALLOCATE: _allocate_wrapper}

@@ -90,6 +90,7 @@ class MambaClampRestorePatch(Patch):
     """Keeps a hybrid request's skip on a block with a Mamba state (see module docstring)."""
 
     name = "mamba-clamp-restore"
+    fault = "H1"
     # 0.17's series has no H1 patch (no clamp to fix): its source-patched fingerprint is the code
     # after its series (H5, H8), so a source-patched 0.17 tree says "not needed" too
     source_patched_targets = (COMPUTE_PREFIX_MATCH,)

@@ -51,6 +51,7 @@ class MambaContinuationSkipPatch(Patch):
     """A hybrid request's later prefill chunks skip nothing (see module docstring)."""
 
     name = "mamba-continuation-skip"
+    fault = "H8"
     source_patched_targets = (COMPUTE_PREFIX_MATCH,)
     fault_evidence = ("_compute_prefix_match keeps the KV skip of a hybrid request's continuation chunk, "
                       "and add_request restores Mamba state on the first chunk only")

@@ -109,6 +109,7 @@ class MambaConvCarryPatch(Patch):
     """Keeps a short prefill slice's conv history in the Mamba conv state (see module docstring)."""
 
     name = "mamba-conv-carry"
+    fault = "H7"
     source_patched_targets = (SSM_PREFILL,)
     waits_for_import = (SSM_PREFILL,)
 

@@ -61,6 +61,7 @@ class MambaDecodeNoDummyPatch(Patch):
     """Keeps megatron's Mamba decode kernel from storing into its ``x`` (see module docstring)."""
 
     name = "mamba-decode-no-dummy"
+    fault = "H10"
     source_patched_targets = (LAUNCHER,)
     # MEGATRON_EXT_AUTO: the Mamba mixer imports the module; until then, importing it (and Triton)
     # from the dynamic context's hook would cost every GPT-only job

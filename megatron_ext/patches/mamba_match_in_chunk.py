@@ -77,6 +77,7 @@ class MambaMatchInChunkPatch(Patch):
     """Counts a hybrid request's Mamba match within its first chunk, 0.17/0.18 (module docstring)."""
 
     name = "mamba-match-in-chunk"
+    fault = "H5"
 
     def wrappers(self) -> dict[Target, Guarded]:
         return {COMPUTE_PREFIX_MATCH: Guarded(_compute_prefix_match_wrapper, "is_hybrid_model")}

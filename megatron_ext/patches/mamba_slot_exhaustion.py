@@ -172,6 +172,7 @@ class MambaSlotExhaustionPatch(Patch):
     """Atomic Mamba slot allocation and a commit that fits the pool (see module docstring)."""
 
     name = "mamba-slot-exhaustion"
+    fault = "H6"
 
     def wrappers(self) -> dict[Target, Callable]:
         return {ALLOCATE: _allocate_wrapper, COMMIT: _commit_wrapper}

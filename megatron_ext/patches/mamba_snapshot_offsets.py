@@ -148,6 +148,7 @@ class MambaSnapshotOffsetsPatch(Patch):
     """Filters Mamba snapshot offsets on the model's chunk grid (see module docstring)."""
 
     name = "mamba-snapshot-offsets"
+    fault = "H4"
 
     def wrappers(self) -> dict[Target, Callable]:
         return {OFFSETS: _offsets_wrapper}

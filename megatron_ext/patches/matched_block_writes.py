@@ -106,6 +106,7 @@ class MatchedBlockWritesPatch(Patch):
     """Wraps ``DynamicInferenceContext.add_request`` (see module docstring)."""
 
     name = "matched-block-writes"
+    fault = "2"
     source_patched_targets = (ADD_REQUEST,)
     fault_evidence = "no megatron-core release up to 0.19.2 carries the upstream fix"
 

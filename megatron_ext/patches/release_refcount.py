@@ -225,10 +225,11 @@ def probe_release_semantics(release: Callable) -> tuple[bool, str]:
     return after != 0, evidence
 
 
-class ReleaseRefCountPatch(Patch):
+class ReleaseRefcountPatch(Patch):
     """Wraps ``KVBlockAllocator.release_memory_blocks`` (see module docstring)."""
 
     name = "release-refcount"
+    fault = "1"
 
     def wrappers(self) -> dict[Target, Callable]:
         return {RELEASE: _release_wrapper}

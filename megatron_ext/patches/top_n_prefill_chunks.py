@@ -141,6 +141,7 @@ class TopNPrefillChunksPatch(Patch):
     """Files each step's top-n log-probs by position (see module docstring)."""
 
     name = "top-n-prefill-chunks"
+    fault = "7"
     source_patched_targets = (POST_PROCESS,)
     fault_evidence = ("no megatron-core release up to 0.19.2 (nor Megatron-LM main of 2026-08-22) "
                       "files top-n log-probs by position")

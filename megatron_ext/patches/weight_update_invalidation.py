@@ -312,6 +312,7 @@ class WeightUpdateInvalidationPatch(Patch):
     (see module docstring)."""
 
     name = "weight-update-invalidation"
+    fault = "8"
     source_patched_targets = (FIND_MATCH, REINITIALIZE, ADD_REQUEST)
     fault_evidence = ("no megatron-core release up to 0.19.2 (nor upstream main) drops or salts the "
                       "prefix cache when weights change")
