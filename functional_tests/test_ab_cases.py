@@ -16,8 +16,8 @@ from megatron_ext.harness.cases import load_case, shipped_cases
 #: The LRU fixes whose faults ``lru_pressure`` reaches on each release series, with what shows
 #: in the verdict when only that fix is left out (MEGATRON_EXT_SKIP).
 LRU_PRESSURE_FAULTS = {
-    "0.17": {"lru-leaf-first-eviction": "fix 3 fault (lru-leaf-first-eviction)",
-             "lru-pin-before-allocate": "fix 4 fault (lru-pin-before-allocate)",
+    "0.17": {"lru-leaf-first-eviction": "fault 3 (lru-leaf-first-eviction)",
+             "lru-pin-before-allocate": "fault 4 (lru-pin-before-allocate)",
              "lru-resume-evictable": "active_request_count == 0 with no hidden chunked prefill"},
     "0.19": {"lru-resume-evictable": "active_request_count == 0 with no hidden chunked prefill"},
 }
@@ -69,7 +69,7 @@ def test_lru_pressure_unpatched_fails_with_an_lru_fault(mcore_series):
     failures = " ".join(result.failures())
     assert "active_request_count == 0 with no hidden chunked prefill" in failures  # fault 6, step 10
     if mcore_series in ("0.17", "0.18"):
-        assert "fix 3 fault (lru-leaf-first-eviction)" in failures
+        assert "fault 3 (lru-leaf-first-eviction)" in failures
     assert result.exit_code() == 1
 
 
@@ -78,10 +78,10 @@ def test_unpatched_audits_catch_the_faults_of_this_release(mcore_series):
     result = run_ab(load_case("rl_rollouts"), patched=False)
     assert result.total("kv_write_violations") > 0  # fix 2's fault: every release up to 0.19.2
     failures = " ".join(result.failures())
-    assert "fix 2 fault (matched-block-writes)" in failures
+    assert "fault 2 (matched-block-writes)" in failures
     if mcore_series in ("0.17", "0.18"):
         assert result.total("refcount_violations") > 0  # fix 1's leak
-        assert "fix 1 fault (release-refcount)" in failures
+        assert "fault 1 (release-refcount)" in failures
         leaked = [v for p in result.policies for v in p.run.audit.examples.get("drain", [])]
         assert leaked, "the leak must be visible at drain"
     else:
@@ -110,5 +110,5 @@ def test_chunked_prefill_top_n_fails_without_fix_7(monkeypatch, mcore_series):
     for output in result.baseline.outputs.values():  # prompts of 92-230 bytes in chunks of <= 64
         assert len(output.top_n_logprobs) > len(output.tokens) == 6
     failures = " ".join(result.failures())
-    assert "fix 7 fault (top-n-prefill-chunks): run caching off: 4 requests" in failures
+    assert "fault 7 (top-n-prefill-chunks): run caching off: 4 requests" in failures
     assert result.exit_code() == 1

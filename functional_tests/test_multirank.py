@@ -68,10 +68,10 @@ def test_rank_failures_name_each_failing_rank_and_disagreement():
                 "pipeline_model_parallel_rank": rank // 2, "verdict": "fail" if failures else "pass",
                 "failures": list(failures), "outputs_sha256": digest}
 
-    ranks = [verdict(0), verdict(1, ["fix 2 fault: 3 KV writes"]), verdict(2, ["x"], digest="b"),
+    ranks = [verdict(0), verdict(1, ["fault 2 (matched-block-writes): 3 KV writes"]), verdict(2, ["x"], digest="b"),
              verdict(3, ["x"])]
     assert rank_failures(ranks) == [
-        "rank 1 (tp 1, pp 0): fix 2 fault: 3 KV writes",
+        "rank 1 (tp 1, pp 0): fault 2 (matched-block-writes): 3 KV writes",
         "rank 2 (tp 0, pp 1), rank 3 (tp 1, pp 1): x",
         "rank 2 (tp 0, pp 1): generated tokens / log-probs differ from rank 0's "
         "(model-parallel ranks must agree bit for bit)",

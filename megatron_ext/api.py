@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -151,9 +152,8 @@ def _plans(version: str, force: bool, skipped: set[str], strict: bool) -> list[P
             else:
                 why = f"which is {state.value}"
             refused = strict and (required in skipped or state is PatchState.REFUSED)
-            plans[name] = PatchResult(plan.patch, plan.targets,
-                                      PatchState.REFUSED if refused else PatchState.NOT_APPLIED,
-                                      f"needs {required}, {why}", plan.evidence)
+            plans[name] = dataclasses.replace(plan, state=PatchState.REFUSED if refused else PatchState.NOT_APPLIED,
+                                              reason=f"needs {required}, {why}")
             break
         return plans[name]
 

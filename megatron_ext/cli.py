@@ -35,11 +35,12 @@ _STATE_STYLE = {
 
 def _status_table(version: str, results: list[PatchResult]) -> Table:
     table = Table(title=f"megatron-ext patches for megatron-core {version}", show_lines=True)
-    for column in ("patch", "target", "state", "reason", "evidence"):
+    for column in ("fault", "patch", "target", "state", "reason", "evidence"):
         table.add_column(column, overflow="fold")
     for result in results:
         style = _STATE_STYLE.get(result.state.value, "")
         table.add_row(
+            result.fault,
             result.patch,
             "\n".join(result.targets),
             f"[{style}]{result.state.value}[/]" if style else result.state.value,

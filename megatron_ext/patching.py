@@ -1,7 +1,8 @@
 """The mechanism shared by every runtime patch: declared releases, target fingerprints, wrapping.
 
 A :class:`Patch` names the megatron-core functions it wraps (:class:`Target`), the releases it was
-written against, and a fingerprint of each target's source per release. Before wrapping anything it
+written against, and a fingerprint of each target's source per release (recorded in
+``fingerprints.json`` by ``scripts/record_fingerprints.py``). Before wrapping anything it
 checks that the installed release is supported and that each target's source is the code it was
 written against; otherwise it refuses, unless the caller forces it. A patch replaces the class
 attribute with a plain function that calls its wrapper (:func:`wrap_method`), so instances created
@@ -22,6 +23,7 @@ import textwrap
 import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from . import mcore
@@ -324,6 +326,7 @@ class PatchResult:
         state: see :class:`PatchState`.
         reason: one human sentence saying why.
         evidence: what the decision rests on (probe result, fingerprint comparison), or ``""``.
+        fault: the ID of the fault the patch fixes (:attr:`Patch.fault`), e.g. ``"8"``, ``"H7"``.
     """
 
     patch: str
@@ -331,10 +334,12 @@ class PatchResult:
     state: PatchState
     reason: str
     evidence: str = ""
+    fault: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "patch": self.patch,
+            "fault": self.fault,
             "targets": list(self.targets),
             "state": self.state.value,
             "reason": self.reason,
@@ -391,17 +396,60 @@ def fingerprint(function: Callable) -> str:
     return hashlib.sha256(normalized.encode()).hexdigest()[:16]
 
 
+#: The recorded fingerprints, shipped in the wheel and written by ``scripts/record_fingerprints.py``:
+#: ``{"released": {patch: {release: {"Class.method": digest}}}, "source_patched": {...}}``.
+FINGERPRINTS_FILE = Path(__file__).with_name("fingerprints.json")
+
+
+@functools.cache
+def recorded_fingerprints() -> dict[str, dict[str, dict[str, dict[str, str]]]]:
+    """:data:`FINGERPRINTS_FILE`, read once (at the first patch check, not at import).
+
+    Raises:
+        OSError, ValueError: the file is missing or not JSON (a broken install).
+    """
+    import json  # not at import: ``import megatron_ext`` at start-up loads as little as it can
+
+    with open(FINGERPRINTS_FILE, encoding="utf-8") as file:
+        return json.load(file)
+
+
+class RecordedFingerprints:
+    """A :class:`Patch` class attribute: the patch's table in :data:`FINGERPRINTS_FILE` under
+    ``kind`` (``"released"`` or ``"source_patched"``), looked up by the class's ``name``; ``{}``
+    when none is recorded. A non-data descriptor, so a subclass or instance attribute of the same
+    name takes its place."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __get__(self, instance: Any, owner: type) -> dict[str, dict[str, str]]:
+        return recorded_fingerprints()[self.kind].get(owner.name, {})
+
+
+def fault_label(patch: type[Patch] | Patch) -> str:
+    """``fault <ID> (<patch name>)``, e.g. ``fault 8 (weight-update-invalidation)``: how audits
+    and failure messages name the fault a patch fixes."""
+    return f"fault {patch.fault} ({patch.name})"
+
+
 class Patch(ABC):
     """One runtime fix, declared by its subclass's class attributes plus :meth:`wrappers`.
 
     Attributes:
-        name: short name used in status output and in the ``MEGATRON_EXT_SKIP`` variable.
+        name: short name used in status output and in the ``MEGATRON_EXT_SKIP`` variable; the
+            class is named after it (``lru-leaf-first-eviction``: ``LruLeafFirstEvictionPatch``).
+        fault: the ID of the fault it fixes, as the README's table of faults numbers them: ``"1"``
+            to ``"9"`` for prefix caching, ``"H1"`` to ``"H10"`` for hybrid models
+            (:func:`fault_label` spells it in audits and failure messages).
         fingerprints: release -> {``Class.method``: fingerprint} of every target and every
-            function the wrapper relies on, recorded from the released wheels.
+            function the wrapper relies on (:meth:`checked_functions`), recorded from the released
+            wheels; read from :data:`FINGERPRINTS_FILE` by :attr:`name`.
         source_patched_targets: the functions the source patch of ``patches/`` changes for this
             fault; the default :meth:`needed` answers "not needed" when all of them are that code.
         source_patched_fingerprints: release -> {``Class.method``: fingerprint} of those functions
-            after ``patches/`` (``scripts/record_fingerprints.py --source-patched``).
+            after ``patches/`` (``scripts/record_fingerprints.py --source-patched``); read from
+            :data:`FINGERPRINTS_FILE` like :attr:`fingerprints`.
         fault_evidence: what :meth:`needed` says of code that is not source-patched.
         waits_for_import: targets in modules megatron-core may still be importing when
             ``MEGATRON_EXT_AUTO`` applies the patches (its hook on the dynamic context runs inside
@@ -415,9 +463,10 @@ class Patch(ABC):
     """
 
     name: ClassVar[str] = ""
-    fingerprints: ClassVar[dict[str, dict[str, str]]] = {}
+    fault: ClassVar[str] = ""
+    fingerprints: ClassVar[dict[str, dict[str, str]]] = RecordedFingerprints("released")
     source_patched_targets: ClassVar[tuple[Target, ...]] = ()
-    source_patched_fingerprints: ClassVar[dict[str, dict[str, str]]] = {}
+    source_patched_fingerprints: ClassVar[dict[str, dict[str, str]]] = RecordedFingerprints("source_patched")
     fault_evidence: ClassVar[str] = ""
     waits_for_import: ClassVar[tuple[Target, ...]] = ()
     requires: ClassVar[tuple[str, ...]] = ()
@@ -427,7 +476,7 @@ class Patch(ABC):
 
     @property
     def supported_releases(self) -> tuple[str, ...]:
-        return tuple(self.fingerprints)
+        return tuple(sorted(self.fingerprints, key=lambda release: tuple(map(int, release.split(".")))))
 
     @abstractmethod
     def wrappers(self) -> dict[Target, Callable | Guarded | KernelLaunch]:
@@ -460,7 +509,7 @@ class Patch(ABC):
         return all(self.name in installed_patches(t) for t in self.wrappers())
 
     def result(self, state: PatchState, reason: str, evidence: str = "") -> PatchResult:
-        return PatchResult(self.name, self.target_names(), state, reason, evidence)
+        return PatchResult(self.name, self.target_names(), state, reason, evidence, self.fault)
 
     def check(self, version: str) -> PatchResult | None:
         """Refusal result if the release or a target's code is not what this patch knows, else None."""
@@ -472,6 +521,13 @@ class Patch(ABC):
                 f"megatron-core {version} is not a supported release (supported: "
                 f"{', '.join(mcore.SUPPORTED_RELEASES)}); install one of those, or force with "
                 "MEGATRON_EXT_FORCE=1 / apply(force=True) after checking the target code yourself",
+            )
+        if not self.fingerprints:
+            return self.result(
+                PatchState.REFUSED,
+                f"no fingerprints of {self.name} are recorded in megatron_ext/fingerprints.json; record "
+                "them with scripts/record_fingerprints.py, or force with MEGATRON_EXT_FORCE=1 / "
+                "apply(force=True) after checking the code yourself",
             )
         if expected is None:  # a supported release this patch was not written for
             return self.result(

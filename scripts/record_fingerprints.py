@@ -1,17 +1,25 @@
 #!/usr/bin/env python3
-"""Print the per-release fingerprints of every function the runtime patches wrap or rely on.
+"""Record the per-release fingerprints of the functions the runtime patches wrap or rely on.
 
-Downloads each supported megatron-core wheel (no dependencies), unpacks it into a temporary
-directory and imports it there, in a subprocess per release, with this environment's torch.
-Paste the printed dictionaries into the FINGERPRINTS tables of megatron_ext/patches/. With
---source-patched the unpacked trees get the source patches of patches/ first: those are the
-SOURCE_PATCHED fingerprints, by which a runtime patch recognises code that is already fixed.
+Downloads each named megatron-core wheel (no dependencies), unpacks it into a temporary directory
+and imports it there, in a subprocess per release, with this environment's torch. The digests of
+each patch's ``checked_functions()`` go into ``megatron_ext/fingerprints.json`` under
+``"released"``, merged into what is there: only the (patch, release) entries already recorded are
+updated, and ``--add PATCH`` records the named releases for a patch that has no entry for them
+(a new patch, or a new release a fix is written for). With ``--source-patched`` the unpacked trees
+get the release's source patch series of ``patches/`` first, and the digests of each patch's
+``source_patched_targets`` go under ``"source_patched"``: by those a runtime patch recognises code
+that is already fixed. The whole series is applied, so a function that several fixes' source
+patches edit is recorded with all of them. Prints each entry it changes.
 
-    .venv/bin/python scripts/record_fingerprints.py [--source-patched] [RELEASE ...]
+    .venv/bin/python scripts/record_fingerprints.py [--source-patched] [--add PATCH ...] [RELEASE ...]
+
+Releases default to every supported one.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -23,35 +31,51 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from megatron_ext.mcore import SUPPORTED_RELEASES  # noqa: E402
+from megatron_ext.patching import FINGERPRINTS_FILE  # noqa: E402
 from megatron_ext.source_patches import patch_source, unpack_release  # noqa: E402
 
 CHILD = """
-import json
+import json, sys
 from megatron_ext.patches import ALL_PATCHES
 from megatron_ext.patching import fingerprint
-print(json.dumps({p.name: {t.qualname: fingerprint(t.original()) for t in p.checked_functions()}
-                  for p in ALL_PATCHES}))
+source_patched = sys.argv[1] == "source_patched"
+print(json.dumps({p.name: {t.qualname: fingerprint(t.original())
+                           for t in (p.source_patched_targets if source_patched else p.checked_functions())}
+                  for p in ALL_PATCHES if p.source_patched_targets or not source_patched}))
 """
 
 
+def write(recorded: dict) -> None:
+    """Write ``recorded`` as :data:`FINGERPRINTS_FILE`: sorted keys, two-space indent, a final newline."""
+    FINGERPRINTS_FILE.write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def main() -> None:
-    args = sys.argv[1:]
-    source_patched = "--source-patched" in args
-    releases = [a for a in args if a != "--source-patched"] or list(SUPPORTED_RELEASES)
-    table: dict[str, dict[str, dict[str, str]]] = {}
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("releases", nargs="*", metavar="RELEASE", default=list(SUPPORTED_RELEASES))
+    parser.add_argument("--source-patched", action="store_true",
+                        help="record the trees after the source patches of patches/")
+    parser.add_argument("--add", action="append", default=[], metavar="PATCH",
+                        help="record the releases for this patch even where it has no entry yet")
+    args = parser.parse_args()
+    kind = "source_patched" if args.source_patched else "released"
+    recorded = json.loads(FINGERPRINTS_FILE.read_text(encoding="utf-8"))
+    section = recorded.setdefault(kind, {})
     with tempfile.TemporaryDirectory() as tmp:
-        for version in releases:
+        for version in args.releases:
             site = unpack_release(version, Path(tmp) / version, Path(tmp))
-            if source_patched:
+            if args.source_patched:
                 patch_source(site)
             env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}")
-            out = subprocess.run([sys.executable, "-W", "ignore", "-c", CHILD], env=env,
+            out = subprocess.run([sys.executable, "-W", "ignore", "-c", CHILD, kind], env=env,
                                  check=True, capture_output=True, text=True).stdout
             for patch, prints in json.loads(out.strip().splitlines()[-1]).items():
-                table.setdefault(patch, {})[version] = prints
-    for patch, by_release in table.items():
-        print(f"# {patch}")
-        print(json.dumps(by_release, indent=4))
+                if version not in section.get(patch, {}) and patch not in args.add:
+                    continue  # a release this patch is not written for
+                if section.setdefault(patch, {}).get(version) != prints:
+                    print(f"{kind} {patch} {version}: {json.dumps(prints, sort_keys=True)}")
+                    section[patch][version] = prints
+    write(recorded)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ from megatron_ext.patches.lru_register_once import REGISTER
 from megatron_ext.patches.lru_resume_evictable import RESUME
 from megatron_ext.patches.mamba_decode_no_dummy import KERNEL
 from megatron_ext.patches.deregister_own_hash import DEREGISTER
-from megatron_ext.patching import PatchState, installed_patches
+from megatron_ext.patching import PatchState, installed_patches, recorded_fingerprints
 
 from .allocator_factory import make_allocator, pin, ref_counts
 
@@ -369,11 +370,37 @@ def test_missing_megatron_core_is_one_line_error(monkeypatch, capsys):
     assert "pip install --no-deps megatron-core==0.19.2" in err[0]
 
 
+#: Each patch's fault ID, as the README's table of faults numbers them (H2 is a rule, no patch).
+FAULT_IDS = {
+    "release-refcount": "1", "matched-block-writes": "2", "lru-leaf-first-eviction": "3",
+    "lru-pin-before-allocate": "4", "lru-register-once": "5", "lru-resume-evictable": "6",
+    "top-n-prefill-chunks": "7", "weight-update-invalidation": "8", "deregister-own-hash": "9",
+    "mamba-clamp-restore": "H1", "mamba-chunk-size": "H3", "mamba-snapshot-offsets": "H4",
+    "mamba-match-in-chunk": "H5", "mamba-slot-exhaustion": "H6", "mamba-conv-carry": "H7",
+    "mamba-continuation-skip": "H8", "mamba-aligned-chunks": "H9", "mamba-decode-no-dummy": "H10",
+}
+
+
+def test_patches_carry_one_fault_id_and_a_class_named_after_them():
+    assert {p.name: p.fault for p in ALL_PATCHES} == FAULT_IDS
+    for patch in ALL_PATCHES:  # lru-leaf-first-eviction: LruLeafFirstEvictionPatch
+        assert type(patch).__name__ == "".join(w.capitalize() for w in patch.name.split("-")) + "Patch"
+
+
 def test_cli_status_json(capsys, mcore_series, mcore_version):
     assert cli.main(["status", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert payload["megatron_core_version"] == mcore_version
     assert {p["patch"]: p["state"] for p in payload["patches"]} == EXPECTED_STATUS[mcore_series]
+    assert {p["patch"]: p["fault"] for p in payload["patches"]} == FAULT_IDS
+
+
+def test_cli_status_table_names_each_patch_with_its_fault_id(capsys):
+    cli.main(["status", "--width", "400"])
+    out = capsys.readouterr().out
+    assert re.search(r"^┃ fault ┃ patch\s+┃ target", out, re.MULTILINE)
+    for name, fault in FAULT_IDS.items():
+        assert re.search(rf"^│ {fault}\s+│ {name}\s+│", out, re.MULTILINE), name
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -554,13 +581,13 @@ def test_a_patch_whose_requirement_is_skipped_is_not_applied(order, monkeypatch,
 
 
 def test_a_patch_whose_requirement_is_refused_is_not_applied(monkeypatch, mcore_series, mcore_version):
-    """matched-block-writes refused (its recorded fingerprints taken away): the patches requiring it
-    are not applied; under strict=True they are refused with it."""
-    fix2 = next(p for p in ALL_PATCHES if p.name == "matched-block-writes")
-    monkeypatch.setattr(fix2, "fingerprints", {})
+    """matched-block-writes refused (its entry taken out of fingerprints.json): the patches
+    requiring it are not applied; under strict=True they are refused with it."""
+    monkeypatch.delitem(recorded_fingerprints()["released"], "matched-block-writes")
     dependents = [name for name in REQUIRES if EXPECTED_STATUS[mcore_series][name] == "applicable"]
-    fix2_refusal = (f"matched-block-writes was written for megatron-core , not {mcore_version}; force with "
-                    "MEGATRON_EXT_FORCE=1 / apply(force=True) after checking the code yourself")
+    fix2_refusal = ("no fingerprints of matched-block-writes are recorded in megatron_ext/fingerprints.json; "
+                    "record them with scripts/record_fingerprints.py, or force with MEGATRON_EXT_FORCE=1 / "
+                    "apply(force=True) after checking the code yourself")
     results = {r.patch: (r.state.value, r.reason) for r in megatron_ext.apply()}
     assert {name: results[name] for name in ["matched-block-writes", *dependents]} == {
         "matched-block-writes": ("refused", fix2_refusal),

@@ -45,7 +45,7 @@ def test_a_block_id_twice_in_a_live_block_table_is_fault_4():
         line = next(v.detail for v in audit.violations if v.kind == "block_table")
         assert line == "request 7's block table holds block 2 2 times"
         assert audit.summary().lru_violations == 1
-        assert FAULT_OF_KIND["block_table"] == "fix 4 fault (lru-pin-before-allocate)"
+        assert FAULT_OF_KIND["block_table"] == "fault 4 (lru-pin-before-allocate)"
 
 
 def test_a_cached_block_whose_parent_is_gone_is_fault_3():
@@ -64,7 +64,7 @@ def test_a_cached_block_whose_parent_is_gone_is_fault_3():
         assert audit.summary().violations_by_kind["prefix_chain"] == 1
         assert audit.violations[0].detail == (
             "cached block 3 outlived its parent block: a lookup of its prefix raises KeyError")
-        assert FAULT_OF_KIND["prefix_chain"] == "fix 3 fault (lru-leaf-first-eviction)"
+        assert FAULT_OF_KIND["prefix_chain"] == "fault 3 (lru-leaf-first-eviction)"
 
 
 def test_a_child_counted_twice_is_fault_5():

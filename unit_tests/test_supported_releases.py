@@ -8,6 +8,7 @@ fingerprints, the source patches' ``patches/index.yaml``, ``scripts/bootstrap.sh
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -18,6 +19,7 @@ from packaging.version import Version
 
 from megatron_ext import mcore
 from megatron_ext.patches import ALL_PATCHES
+from megatron_ext.patching import FINGERPRINTS_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 SUPPORTED = mcore.SUPPORTED_RELEASES
@@ -74,11 +76,18 @@ def test_readme_names_the_supported_releases():
 def test_source_patched_fingerprints_cover_exactly_the_supported_releases():
     # needed() answers "not needed" only for a release listed here: a release missing from one
     # table would get that runtime patch refused on its source-patched tree
-    import sys
-
-    tables = {patch.name: getattr(sys.modules[type(patch).__module__], "SOURCE_PATCHED_FINGERPRINTS", None)
-              for patch in ALL_PATCHES}
-    tables = {name: table for name, table in tables.items() if table is not None}
+    tables = {patch.name: patch.source_patched_fingerprints for patch in ALL_PATCHES}
+    tables = {name: table for name, table in tables.items() if table}
     assert {"matched-block-writes", "lru-resume-evictable", "weight-update-invalidation"} <= set(tables)
     for name, table in tables.items():
-        assert tuple(table) == SUPPORTED, name
+        assert sorted(table, key=Version) == list(SUPPORTED), name
+
+
+def test_fingerprints_file_records_the_shipped_patches_only():
+    # a table under a name no patch has would be dead data; every patch has released fingerprints
+    recorded = json.loads(FINGERPRINTS_FILE.read_text())
+    names = {patch.name for patch in ALL_PATCHES}
+    assert set(recorded) == {"released", "source_patched"}
+    assert set(recorded["released"]) == names
+    assert set(recorded["source_patched"]) == {p.name for p in ALL_PATCHES if p.source_patched_targets}
+    assert FINGERPRINTS_FILE.read_text() == json.dumps(recorded, indent=2, sort_keys=True) + "\n"

@@ -434,7 +434,7 @@ def test_source_patched_tree_needs_no_runtime_patch_and_the_api_flushes_it(ctx, 
     releases = state.evidence.rsplit(" for ", 1)[1].split(", ")
     assert mcore_version in releases
     assert all(f"{name.split('.')[-1]} {digest}" in state.evidence
-               for name, digest in fault8.SOURCE_PATCHED_FINGERPRINTS[mcore_version].items())
+               for name, digest in fault8.WeightUpdateInvalidationPatch.source_patched_fingerprints[mcore_version].items())
     request = make_request(1, A)
     ctx.add_request(request)  # row 0 holds [6, 7]
     assert megatron_ext.invalidate_prefix_cache(ctx) == fault8.InvalidationResult(blocks_unreachable=2, epoch=1)

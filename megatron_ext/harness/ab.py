@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from .. import mcore
 from ..api import apply, revert
 from ..errors import DeviceUnavailableError
+from ..patches import TopNPrefillChunksPatch
+from ..patching import fault_label
 from .audits import FAULT_OF_KIND
 from .cases import Case, PlannedRequest, check_top_n_fits, plan_requests, validate_planned
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint, resolve_checkpoint
@@ -127,11 +129,11 @@ class ABResult:
             problems.append(f"the platform is not batch-invariant: {self.invariance[1]}")
         if self.total("kv_write_violations"):
             problems.append(
-                f"fix 2 fault (matched-block-writes): {self.total('kv_write_violations')} KV writes "
+                f"{FAULT_OF_KIND['kv_write']}: {self.total('kv_write_violations')} KV writes "
                 "into blocks obtained by a hash match")
         if self.total("refcount_violations"):
             problems.append(
-                f"fix 1 fault (release-refcount): {self.total('refcount_violations')} ref-count / "
+                f"{FAULT_OF_KIND['ref_count']}: {self.total('refcount_violations')} ref-count / "
                 "free-pool / drain violations (shared blocks leaked)")
         for kind, what in LRU_FAULT_VIOLATIONS.items():
             count = sum(run.audit.violations_by_kind.get(kind, 0)
@@ -154,7 +156,7 @@ class ABResult:
                 problems.append(f"megatron-core raised in run {run.eviction_policy or 'caching off'} at {run.error}")
             miscounted = top_n_miscounted(run.outputs)  # caught even where A and B are equally wrong
             if miscounted:
-                problems.append(f"fix 7 fault (top-n-prefill-chunks): run {run.eviction_policy or 'caching off'}: "
+                problems.append(f"{fault_label(TopNPrefillChunksPatch)}: run {run.eviction_policy or 'caching off'}: "
                                 f"{len(miscounted)} requests whose top-n log-probs are not one entry per "
                                 f"generated token: {', '.join(miscounted[:6])}")
         expect = self.case.expectations

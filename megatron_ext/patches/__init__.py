@@ -2,10 +2,10 @@
 
 from ..patching import Patch
 from .deregister_own_hash import DeregisterOwnHashPatch
-from .lru_leaf_first_eviction import LeafFirstEvictionPatch
-from .lru_pin_before_allocate import PinBeforeAllocatePatch
-from .lru_register_once import RegisterOncePatch
-from .lru_resume_evictable import ResumeEvictablePatch
+from .lru_leaf_first_eviction import LruLeafFirstEvictionPatch
+from .lru_pin_before_allocate import LruPinBeforeAllocatePatch
+from .lru_register_once import LruRegisterOncePatch
+from .lru_resume_evictable import LruResumeEvictablePatch
 from .mamba_aligned_chunks import MambaAlignedChunksPatch
 from .mamba_chunk_size import MambaChunkSizePatch
 from .mamba_clamp_restore import MambaClampRestorePatch
@@ -16,18 +16,18 @@ from .mamba_match_in_chunk import MambaMatchInChunkPatch
 from .mamba_slot_exhaustion import MambaSlotExhaustionPatch
 from .mamba_snapshot_offsets import MambaSnapshotOffsetsPatch
 from .matched_block_writes import MatchedBlockWritesPatch
-from .release_refcount import ReleaseRefCountPatch
+from .release_refcount import ReleaseRefcountPatch
 from .weight_update_invalidation import WeightUpdateInvalidationPatch
 from .top_n_prefill_chunks import TopNPrefillChunksPatch
 
 #: One instance per patch for the whole process: each remembers what it replaced.
 ALL_PATCHES: tuple[Patch, ...] = (
-    ReleaseRefCountPatch(),
-    LeafFirstEvictionPatch(),
-    RegisterOncePatch(),
-    PinBeforeAllocatePatch(),
+    ReleaseRefcountPatch(),
+    LruLeafFirstEvictionPatch(),
+    LruRegisterOncePatch(),
+    LruPinBeforeAllocatePatch(),
     MatchedBlockWritesPatch(),
-    ResumeEvictablePatch(),
+    LruResumeEvictablePatch(),
     WeightUpdateInvalidationPatch(),
     TopNPrefillChunksPatch(),
     DeregisterOwnHashPatch(),

@@ -33,20 +33,6 @@ from ..patching import Patch, Target
 
 DEREGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator._deregister_blocks")
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_V017 = {"KVBlockAllocator._deregister_blocks": "b13538964dfdc5ea"}
-_V019 = {"KVBlockAllocator._deregister_blocks": "020a9b57fd732f2c"}
-FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V017, "0.18.2": _V017,
-                "0.19.0": _V019, "0.19.2": _V019}
-
-#: ``_deregister_blocks`` after the source patches of ``patches/`` (already fixed code);
-#: recorded with ``scripts/record_fingerprints.py --source-patched``.
-_SOURCE_V017 = {"KVBlockAllocator._deregister_blocks": "2328471067ca4e19"}
-_SOURCE_V019 = {"KVBlockAllocator._deregister_blocks": "4f648c5a91be709a"}
-SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
-    "0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "0.18.0": _SOURCE_V017, "0.18.2": _SOURCE_V017,
-    "0.19.0": _SOURCE_V019, "0.19.2": _SOURCE_V019}
-
 
 def blocks_with_foreign_hash(allocator: Any, block_ids: torch.Tensor) -> list[int]:
     """The blocks among ``block_ids`` whose hash's map entry points at another block.
@@ -103,9 +89,8 @@ class DeregisterOwnHashPatch(Patch):
     """Drops a hash-map entry only with the block it points at (see module docstring)."""
 
     name = "deregister-own-hash"
-    fingerprints = FINGERPRINTS
+    fault = "9"
     source_patched_targets = (DEREGISTER,)
-    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     fault_evidence = ("no megatron-core release up to 0.19.2 (nor upstream main) checks whom a "
                       "hash-map entry points at before popping it")
 

@@ -62,24 +62,6 @@ ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_reques
 # Every prefix lookup: the first call after apply() may be one, before any allocator call.
 FIND_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._find_kv_match_count")
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_V017 = {
-    "KVBlockAllocator.__init__": "7f26ed100595683f",
-    "KVBlockAllocator.register_kv_block_hashes": "8576c3b511780f62",
-    "KVBlockAllocator._deregister_blocks": "b13538964dfdc5ea",
-    "KVBlockAllocator.reset": "44c8ea2ff721d0a6",
-    "KVBlockAllocator.evict_lru_blocks": "efda579264685c4d",
-    "DynamicInferenceContext.add_request": "8ac0ab32824d8700",
-    "DynamicInferenceContext._find_kv_match_count": "89289c465254fc71",
-}
-_V018 = {
-    **_V017,
-    "KVBlockAllocator.__init__": "f2fbbdc06ec62893",
-    "KVBlockAllocator.reset": "fbf029ff1e7a4fde",
-    "DynamicInferenceContext.add_request": "0babd74ab35ee1e0",
-}
-FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018}
-
 
 class PrefixForestError(MegatronExtError, RuntimeError):
     """The cached blocks' parent links are not a forest, so leaf-first eviction cannot free enough."""
@@ -377,11 +359,11 @@ def probe_eviction_order(evict: Callable) -> tuple[bool, str]:
                     f"{evicted} ({verdict})")
 
 
-class LeafFirstEvictionPatch(Patch):
+class LruLeafFirstEvictionPatch(Patch):
     """Backports 0.19's leaf-first LRU eviction to 0.17/0.18 (see module docstring)."""
 
     name = "lru-leaf-first-eviction"
-    fingerprints = FINGERPRINTS
+    fault = "3"
 
     def wrappers(self) -> dict[Target, Callable | Guarded]:
         return {INIT: _init_wrapper, REGISTER: _register_wrapper, DEREGISTER: _deregister_wrapper,

@@ -35,20 +35,6 @@ CHECK_AVAILABILITY = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.che
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
 IS_MEMORY_AVAILABLE = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.is_memory_available")
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_V017 = {
-    "DynamicInferenceContext.add_request": "8ac0ab32824d8700",
-    "DynamicInferenceContext.check_availability": "18d313eeee799118",
-    "DynamicInferenceContext._compute_prefix_match": "5d401f2688102ce6",
-    "KVBlockAllocator.is_memory_available": "85e87e7d1c9ea70c",
-}
-_V018 = {
-    **_V017,
-    "DynamicInferenceContext.add_request": "0babd74ab35ee1e0",
-    "DynamicInferenceContext._compute_prefix_match": "e81b818b7e132741",
-}
-FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018}
-
 
 def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict) -> None:
     """Pin the request's matched blocks for the released call, which matches once, not twice.
@@ -126,11 +112,11 @@ def _check_availability_wrapper(wrapped: Callable, context: Any, args: tuple, kw
     return request_fits, tokens_fit, blocks_after_match_fit(context, req)
 
 
-class PinBeforeAllocatePatch(Patch):
+class LruPinBeforeAllocatePatch(Patch):
     """Pins matched blocks before ``add_request`` allocates, 0.17/0.18 (see module docstring)."""
 
     name = "lru-pin-before-allocate"
-    fingerprints = FINGERPRINTS
+    fault = "4"
 
     def wrappers(self) -> dict[Target, Guarded]:
         return {ADD_REQUEST: lru_only(_add_request_wrapper),

@@ -27,13 +27,6 @@ from ..patching import Guarded, Patch, Target, lru_only
 REGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.register_kv_block_hashes")
 DEREGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator._deregister_blocks")
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_V019 = {
-    "KVBlockAllocator.register_kv_block_hashes": "ac39c3b349da7640",
-    "KVBlockAllocator._deregister_blocks": "020a9b57fd732f2c",
-}
-FINGERPRINTS = {"0.19.0": _V019, "0.19.2": _V019}
-
 
 def bind_registration(block_ids: list[int], block_hashes: list[int], parent_hashes: list[int] | None = None):
     """``register_kv_block_hashes``' arguments, however passed: ``(block_ids, block_hashes,
@@ -107,11 +100,11 @@ def probe_double_registration(register: Callable) -> tuple[bool, str]:
     return children != 1, f"probe: block 1 (parent 0) registered twice -> block 0 child count {children}"
 
 
-class RegisterOncePatch(Patch):
+class LruRegisterOncePatch(Patch):
     """Makes 0.19's ``register_kv_block_hashes`` idempotent (see module docstring)."""
 
     name = "lru-register-once"
-    fingerprints = FINGERPRINTS
+    fault = "5"
 
     def wrappers(self) -> dict[Target, Guarded]:
         return {REGISTER: lru_only(_register_wrapper)}

@@ -28,17 +28,6 @@ from ..patching import Patch, Target
 RESUME = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.resume_paused_requests")
 EVICTABLE = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.get_evictable_block_count")
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_RESUME = {"DynamicInferenceContext.resume_paused_requests": "3d81b934d0821f73",
-           "KVBlockAllocator.get_evictable_block_count": "8c415c01e64765fe"}
-FINGERPRINTS = {release: _RESUME for release in
-                ("0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2")}
-
-#: ``resume_paused_requests`` after the source patches of ``patches/`` (already fixed code);
-#: recorded with ``scripts/record_fingerprints.py --source-patched``.
-SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
-    release: {"DynamicInferenceContext.resume_paused_requests": "73c5b968c2b2b411"} for release in FINGERPRINTS}
-
 
 def resume_plan(context: Any, active_request_count: int, block_budget: int) -> tuple[int, int]:
     """How many paused requests resume, and how many new blocks they take.
@@ -113,13 +102,12 @@ def _resume_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
     return resume_into_evictable(context, *args, **kwargs)
 
 
-class ResumeEvictablePatch(Patch):
+class LruResumeEvictablePatch(Patch):
     """Lets paused requests resume into evictable cached blocks (see module docstring)."""
 
     name = "lru-resume-evictable"
-    fingerprints = FINGERPRINTS
+    fault = "6"
     source_patched_targets = (RESUME,)
-    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     fault_evidence = "no megatron-core release up to 0.19.2 counts evictable blocks when resuming"
 
     def wrappers(self) -> dict[Target, Callable]:

@@ -49,23 +49,6 @@ CHECK_AVAILABILITY = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.che
 CAN_SCHEDULE = Target(DYNAMIC_ENGINE_MODULE, "DynamicInferenceEngine._can_schedule_chunked_prefill")
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_V017 = {"DynamicInferenceEngine.schedule_chunked_prefill": "1831e80498ee63c3",
-         "DynamicInferenceContext.check_availability": "18d313eeee799118"}
-_V019 = {"DynamicInferenceEngine.schedule_chunked_prefill": "def712feb96b9c21",
-         "DynamicInferenceContext.check_availability": "0496bd54e500cf13",
-         "DynamicInferenceEngine._can_schedule_chunked_prefill": "327a33796cd990c0",
-         "DynamicInferenceContext._compute_prefix_match": "d840974b34a6f732"}
-FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V017, "0.18.2": _V017,  # 0.18's is 0.17's
-                "0.19.0": _V019, "0.19.2": _V019}
-
-#: ``schedule_chunked_prefill`` after the source patches of ``patches/`` (--source-patched; 0.17's
-#: and 0.18's series give one code, with H5's change of the same function first).
-_SOURCE_V017 = {"DynamicInferenceEngine.schedule_chunked_prefill": "0984fb572bbab1f8"}
-_SOURCE_V019 = {"DynamicInferenceEngine.schedule_chunked_prefill": "7ef67b26b98be578"}
-SOURCE_PATCHED_FINGERPRINTS = {"0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "0.18.0": _SOURCE_V017,
-                               "0.18.2": _SOURCE_V017, "0.19.0": _SOURCE_V019, "0.19.2": _SOURCE_V019}
-
 
 def aligned_chunk_end(start: int, end: int, prompt_end: int, mamba_chunk: int) -> int:
     """The end (prompt position, tokens) of a non-final prefill chunk on the Mamba chunk grid.
@@ -163,9 +146,8 @@ class MambaAlignedChunksPatch(Patch):
     """Ends a hybrid request's non-final prefill chunks on the Mamba chunk grid (module docstring)."""
 
     name = "mamba-aligned-chunks"
-    fingerprints = FINGERPRINTS
+    fault = "H9"
     source_patched_targets = (SCHEDULE,)
-    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     fault_evidence = ("schedule_chunked_prefill cuts a prompt at the step's token budget, off the Mamba "
                       "chunk grid of a hybrid model's chunked scan")
     waits_for_import = (SCHEDULE,)

@@ -25,10 +25,6 @@ from ..patching import Patch, Target
 
 ALLOCATE = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._allocate_mamba_states")
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_V017 = {"DynamicInferenceContext._allocate_mamba_states": "64035fe1063591da"}
-FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017}
-
 
 def _allocate_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict) -> Any:
     """Run the released allocation, then give the Mamba metadata the context's chunk size.
@@ -66,7 +62,7 @@ class MambaChunkSizePatch(Patch):
     """Keeps the model's Mamba chunk size in 0.17's prefill metadata (see module docstring)."""
 
     name = "mamba-chunk-size"
-    fingerprints = FINGERPRINTS
+    fault = "H3"
 
     def wrappers(self) -> dict[Target, Callable]:
         return {ALLOCATE: _allocate_wrapper}

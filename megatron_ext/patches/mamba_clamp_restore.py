@@ -41,33 +41,6 @@ RESTORE = Target(_SLOTS, "MambaSlotAllocator.restore_to_live")
 #: The released clamp, as it reads in ``_compute_prefix_match`` (0.18.0 to 0.19.2, main).
 CLAMP = "prefill_chunk_length - prefix_skip_tokens < 2"
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_SLOT_FUNCTIONS = {
-    "MambaSlotAllocator.has_state": "7f3aca737ae86b6d",
-    "MambaSlotAllocator.restore_to_live": "6db66a6ae6925db8",
-}
-_V018 = {
-    **_SLOT_FUNCTIONS,
-    "DynamicInferenceContext._compute_prefix_match": "e81b818b7e132741",
-    "DynamicInferenceContext.add_request": "0babd74ab35ee1e0",
-}
-_V019 = {
-    **_SLOT_FUNCTIONS,
-    "DynamicInferenceContext._compute_prefix_match": "d840974b34a6f732",
-    "DynamicInferenceContext.add_request": "534c2a2ae3b4f713",
-}
-FINGERPRINTS = {"0.18.0": _V018, "0.18.2": _V018, "0.19.0": _V019, "0.19.2": _V019}
-
-#: ``_compute_prefix_match`` after the source patches of ``patches/``
-#: (scripts/record_fingerprints.py --source-patched; the H8 patch follows it): 0.18's, with #4758
-#: mirrored first, is 0.19's.
-#: 0.17's series has no H1 patch (no clamp to fix); its entry is the code after its series (H5, H8).
-_SOURCE = {"DynamicInferenceContext._compute_prefix_match": "9928e8c0818866c1"}
-_SOURCE_V017 = {"DynamicInferenceContext._compute_prefix_match": "41a4d881bfe515e4"}
-SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
-    "0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017,
-    "0.18.0": _SOURCE, "0.18.2": _SOURCE, "0.19.0": _SOURCE, "0.19.2": _SOURCE}
-
 
 def restorable_skip(context: Any, matched_block_ids: list[int], prefix_skip_tokens: int) -> int:
     """The longest skip, at most ``prefix_skip_tokens``, whose Mamba state can be restored.
@@ -117,9 +90,10 @@ class MambaClampRestorePatch(Patch):
     """Keeps a hybrid request's skip on a block with a Mamba state (see module docstring)."""
 
     name = "mamba-clamp-restore"
-    fingerprints = FINGERPRINTS
+    fault = "H1"
+    # 0.17's series has no H1 patch (no clamp to fix): its source-patched fingerprint is the code
+    # after its series (H5, H8), so a source-patched 0.17 tree says "not needed" too
     source_patched_targets = (COMPUTE_PREFIX_MATCH,)
-    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     fault_evidence = ("_compute_prefix_match rounds a hybrid skip down to a block boundary (the "
                       ">= 2-token clamp) without checking that the block has a Mamba state")
     # without fix 2 the tokens this fix recomputes inside matched blocks write KV into shared blocks

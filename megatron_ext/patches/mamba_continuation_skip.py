@@ -31,23 +31,6 @@ COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._
 # Relied on: add_request restores Mamba state only when finished_chunk_token_count == 0.
 ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_V017 = {"DynamicInferenceContext._compute_prefix_match": "5d401f2688102ce6",
-         "DynamicInferenceContext.add_request": "8ac0ab32824d8700"}
-_V018 = {"DynamicInferenceContext._compute_prefix_match": "e81b818b7e132741",
-         "DynamicInferenceContext.add_request": "0babd74ab35ee1e0"}
-_V019 = {"DynamicInferenceContext._compute_prefix_match": "d840974b34a6f732",
-         "DynamicInferenceContext.add_request": "534c2a2ae3b4f713"}
-FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018,
-                "0.19.0": _V019, "0.19.2": _V019}
-
-#: ``_compute_prefix_match`` after the source patches of ``patches/`` (--source-patched).
-#: 0.18's, with #4758 mirrored first, is 0.19's (as for ``mamba-clamp-restore``).
-_SOURCE = {"DynamicInferenceContext._compute_prefix_match": "9928e8c0818866c1"}
-_SOURCE_V017 = {"DynamicInferenceContext._compute_prefix_match": "41a4d881bfe515e4"}
-SOURCE_PATCHED_FINGERPRINTS = {"0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "0.18.0": _SOURCE,
-                               "0.18.2": _SOURCE, "0.19.0": _SOURCE, "0.19.2": _SOURCE}
-
 
 def _compute_prefix_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
     """``_compute_prefix_match(req, prefill_chunk_length, ...)`` of a hybrid context (guarded:
@@ -68,9 +51,8 @@ class MambaContinuationSkipPatch(Patch):
     """A hybrid request's later prefill chunks skip nothing (see module docstring)."""
 
     name = "mamba-continuation-skip"
-    fingerprints = FINGERPRINTS
+    fault = "H8"
     source_patched_targets = (COMPUTE_PREFIX_MATCH,)
-    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     fault_evidence = ("_compute_prefix_match keeps the KV skip of a hybrid request's continuation chunk, "
                       "and add_request restores Mamba state on the first chunk only")
     # without fix 2 the tokens this fix recomputes inside matched blocks write KV into shared blocks

@@ -34,19 +34,6 @@ from ..patching import Patch, PatchResult, Target
 MAMBA_MIXER_MODULE = "megatron.core.ssm.mamba_mixer"
 SSM_PREFILL = Target(MAMBA_MIXER_MODULE, "MambaMixer._ssm_prefill")
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_V017 = {"MambaMixer._ssm_prefill": "17ba58f561dca8a7"}
-_V018 = {"MambaMixer._ssm_prefill": "52d427997706f02e"}
-_V019 = {"MambaMixer._ssm_prefill": "59f97414e9e14c56"}
-FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018,
-                "0.19.0": _V019, "0.19.2": _V019}
-
-#: ``_ssm_prefill`` after the source patches of ``patches/`` (record_fingerprints.py --source-patched).
-_SOURCE_V017 = {"MambaMixer._ssm_prefill": "f0da6473478554ac"}
-_SOURCE_V018 = {"MambaMixer._ssm_prefill": "77856f20f67b9a0e"}
-_SOURCE_V019 = {"MambaMixer._ssm_prefill": "3304dc9ee4dacc9d"}
-SOURCE_PATCHED_FINGERPRINTS = {"0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "0.18.0": _SOURCE_V018,
-                               "0.18.2": _SOURCE_V018, "0.19.0": _SOURCE_V019, "0.19.2": _SOURCE_V019}
 
 #: ``_ssm_prefill``'s leading parameters after ``self`` (the same in 0.17.0 to 0.19.2).
 _PARAMETERS = ("zxBCdt", "conv_state", "ssm_state", "seq_idx", "cu_seqlens", "batch_indices")
@@ -122,9 +109,8 @@ class MambaConvCarryPatch(Patch):
     """Keeps a short prefill slice's conv history in the Mamba conv state (see module docstring)."""
 
     name = "mamba-conv-carry"
-    fingerprints = FINGERPRINTS
+    fault = "H7"
     source_patched_targets = (SSM_PREFILL,)
-    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     waits_for_import = (SSM_PREFILL,)
 
     def wrappers(self) -> dict[Target, Callable]:

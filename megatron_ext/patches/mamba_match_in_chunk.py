@@ -33,14 +33,6 @@ FIND_KV_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._find_kv
 #: ``record_mamba_match``).
 MAMBA_MATCH_ATTR = "_mamba_num_matched_blocks"
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_V017 = {
-    "DynamicInferenceContext._compute_prefix_match": "5d401f2688102ce6",
-    "DynamicInferenceContext._find_kv_match_count": "89289c465254fc71",
-}
-_V018 = {**_V017, "DynamicInferenceContext._compute_prefix_match": "e81b818b7e132741"}
-FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018}
-
 
 def mamba_match_in_chunk(context: Any, req: Any, prefill_chunk_length: int) -> int:
     """The Mamba match count of a request's first chunk, in the chunk's KV-matched blocks.
@@ -85,7 +77,7 @@ class MambaMatchInChunkPatch(Patch):
     """Counts a hybrid request's Mamba match within its first chunk, 0.17/0.18 (module docstring)."""
 
     name = "mamba-match-in-chunk"
-    fingerprints = FINGERPRINTS
+    fault = "H5"
 
     def wrappers(self) -> dict[Target, Guarded]:
         return {COMPUTE_PREFIX_MATCH: Guarded(_compute_prefix_match_wrapper, "is_hybrid_model")}

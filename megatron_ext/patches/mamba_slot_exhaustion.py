@@ -42,15 +42,6 @@ COMMIT = Target(MAMBA_SLOT_ALLOCATOR_MODULE, "MambaSlotAllocator.commit_intermed
 EVICT = Target(MAMBA_SLOT_ALLOCATOR_MODULE, "MambaSlotAllocator._evict_lru_slots_batch")
 COLLECT = Target(MAMBA_SLOT_ALLOCATOR_MODULE, "MambaSlotAllocator._collect_commit_data")
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_SHARED = {"MambaSlotAllocator.allocate_slots_batch": "2d4be0a4da42c97a",
-           "MambaSlotAllocator.commit_intermediate_states": "6e0933b410e8d62a",
-           "MambaSlotAllocator._evict_lru_slots_batch": "2f69e88ce75dc18d"}
-_V017 = {**_SHARED, "MambaSlotAllocator._collect_commit_data": "9d7c40306b48cf2b"}
-_V018 = {**_SHARED, "MambaSlotAllocator._collect_commit_data": "eb61bcd877e7f64e"}
-FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018,
-                "0.19.0": _V018, "0.19.2": _V018}
-
 
 class MambaSlotCapacityError(RuntimeError):
     """The Mamba cache cannot give ``required`` new slots: only ``available`` are free or evictable.
@@ -181,7 +172,7 @@ class MambaSlotExhaustionPatch(Patch):
     """Atomic Mamba slot allocation and a commit that fits the pool (see module docstring)."""
 
     name = "mamba-slot-exhaustion"
-    fingerprints = FINGERPRINTS
+    fault = "H6"
 
     def wrappers(self) -> dict[Target, Callable]:
         return {ALLOCATE: _allocate_wrapper, COMMIT: _commit_wrapper}

@@ -41,11 +41,6 @@ OFFSETS = Target(MAMBA_SLOT_ALLOCATOR_MODULE, "MambaSlotAllocator.compute_and_st
 #: The chunk size the released filter hard-codes (tokens).
 RELEASED_CHUNK = 128
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_V017 = {"MambaSlotAllocator.compute_and_store_offsets": "68b97736cb3738a1"}
-_V018 = {"MambaSlotAllocator.compute_and_store_offsets": "8b37251cbc12d6cd"}
-FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018}
-
 
 def snapshot_offsets(prompt_len: int, skip_tokens: int, prefill_chunk_length: int,
                      num_matched_blocks: int, overall_required_blocks: int, block_size: int,
@@ -153,7 +148,7 @@ class MambaSnapshotOffsetsPatch(Patch):
     """Filters Mamba snapshot offsets on the model's chunk grid (see module docstring)."""
 
     name = "mamba-snapshot-offsets"
-    fingerprints = FINGERPRINTS
+    fault = "H4"
 
     def wrappers(self) -> dict[Target, Callable]:
         return {OFFSETS: _offsets_wrapper}

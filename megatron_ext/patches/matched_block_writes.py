@@ -35,42 +35,6 @@ COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._
 #: that matched, accumulated over the chunks of a chunked prefill.
 MATCHED_RANGES: RequestSideTable[list[tuple[int, int]]] = RequestSideTable()
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_V017 = {
-    "DynamicInferenceContext.add_request": "8ac0ab32824d8700",
-    "DynamicInferenceContext._compute_prefix_match": "5d401f2688102ce6",
-}
-_V018 = {
-    "DynamicInferenceContext.add_request": "0babd74ab35ee1e0",
-    "DynamicInferenceContext._compute_prefix_match": "e81b818b7e132741",
-}
-_V019 = {
-    "DynamicInferenceContext.add_request": "534c2a2ae3b4f713",
-    "DynamicInferenceContext._compute_prefix_match": "d840974b34a6f732",
-}
-FINGERPRINTS = {
-    "0.17.0": _V017,
-    "0.17.1": _V017,
-    "0.18.0": _V018,
-    "0.18.2": _V018,
-    "0.19.0": _V019,
-    "0.19.2": _V019,
-}
-
-
-#: ``add_request`` after the source patches of ``patches/`` (scripts/record_fingerprints.py
-#: --source-patched): code that already has the fix, so the runtime patch is not needed. The
-#: whole series applies, so these include the later patches that edit add_request too (fixes 4
-#: and 8; on 0.17/0.18 H5's, which records the chunk's Mamba match).
-SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
-    "0.17.0": {"DynamicInferenceContext.add_request": "14474a760d91bb97"},
-    "0.17.1": {"DynamicInferenceContext.add_request": "14474a760d91bb97"},
-    "0.18.0": {"DynamicInferenceContext.add_request": "df08d3f81779aad8"},
-    "0.18.2": {"DynamicInferenceContext.add_request": "df08d3f81779aad8"},
-    "0.19.0": {"DynamicInferenceContext.add_request": "64bbf53e2dabd540"},
-    "0.19.2": {"DynamicInferenceContext.add_request": "64bbf53e2dabd540"},
-}
-
 
 def redirect_matched_block_writes(
     context: Any, offset: int, first_position: int, end_position: int,
@@ -142,9 +106,8 @@ class MatchedBlockWritesPatch(Patch):
     """Wraps ``DynamicInferenceContext.add_request`` (see module docstring)."""
 
     name = "matched-block-writes"
-    fingerprints = FINGERPRINTS
+    fault = "2"
     source_patched_targets = (ADD_REQUEST,)
-    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     fault_evidence = "no megatron-core release up to 0.19.2 carries the upstream fix"
 
     def wrappers(self) -> dict[Target, Guarded]:

@@ -24,13 +24,6 @@ from ..patching import Patch, Target
 RELEASE = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.release_memory_blocks")
 DEREGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator._deregister_blocks")
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_FAULTY = {
-    "KVBlockAllocator.release_memory_blocks": "acb2ad5b0c79cfc8",
-    "KVBlockAllocator._deregister_blocks": "b13538964dfdc5ea",
-}
-FINGERPRINTS = {"0.17.0": _FAULTY, "0.17.1": _FAULTY, "0.18.0": _FAULTY, "0.18.2": _FAULTY}
-
 
 class RefCountUnderflowError(MegatronExtError, ValueError):
     """A release would drive a block's ref count below zero (a block released more often than held)."""
@@ -232,11 +225,11 @@ def probe_release_semantics(release: Callable) -> tuple[bool, str]:
     return after != 0, evidence
 
 
-class ReleaseRefCountPatch(Patch):
+class ReleaseRefcountPatch(Patch):
     """Wraps ``KVBlockAllocator.release_memory_blocks`` (see module docstring)."""
 
     name = "release-refcount"
-    fingerprints = FINGERPRINTS
+    fault = "1"
 
     def wrappers(self) -> dict[Target, Callable]:
         return {RELEASE: _release_wrapper}

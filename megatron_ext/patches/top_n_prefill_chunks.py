@@ -49,37 +49,6 @@ GET_REQUEST = Target(DYNAMIC_ENGINE_MODULE, "DynamicInferenceEngine.get_request"
 CALCULATE_TOP_N = Target(TEXT_GENERATION_CONTROLLER_MODULE,
                          "TextGenerationController._dynamic_step_calculate_top_n_logprobs")
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_GET_REQUEST = "b865e42e0990af07"  # identical in every release
-_V017 = {
-    "DynamicInferenceEngine.post_process_requests": "20a3b81af280392e",
-    "DynamicInferenceEngine.get_request": _GET_REQUEST,
-    "TextGenerationController._dynamic_step_calculate_top_n_logprobs": "f1089a99e213b8ce",
-}
-_V018 = {
-    "DynamicInferenceEngine.post_process_requests": "b6d891c07419c9b9",
-    "DynamicInferenceEngine.get_request": _GET_REQUEST,
-    "TextGenerationController._dynamic_step_calculate_top_n_logprobs": "c884709d104bd080",
-}
-_V019 = {
-    "DynamicInferenceEngine.post_process_requests": "757c2f8e89773c08",
-    "DynamicInferenceEngine.get_request": _GET_REQUEST,
-    "TextGenerationController._dynamic_step_calculate_top_n_logprobs": "c884709d104bd080",
-}
-FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018,
-                "0.19.0": _V019, "0.19.2": _V019}
-
-#: ``post_process_requests`` after the source patch of ``patches/`` (scripts/record_fingerprints.py
-#: --source-patched): code that already files the entries by position.
-SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
-    "0.17.0": {"DynamicInferenceEngine.post_process_requests": "ac14d9f6cf637d24"},
-    "0.17.1": {"DynamicInferenceEngine.post_process_requests": "ac14d9f6cf637d24"},
-    "0.18.0": {"DynamicInferenceEngine.post_process_requests": "6a85f95f0c2e21e9"},
-    "0.18.2": {"DynamicInferenceEngine.post_process_requests": "6a85f95f0c2e21e9"},
-    "0.19.0": {"DynamicInferenceEngine.post_process_requests": "e159a7427c8dc75b"},
-    "0.19.2": {"DynamicInferenceEngine.post_process_requests": "e159a7427c8dc75b"},
-}
-
 
 @dataclass(frozen=True)
 class TopNBooks:
@@ -172,9 +141,8 @@ class TopNPrefillChunksPatch(Patch):
     """Files each step's top-n log-probs by position (see module docstring)."""
 
     name = "top-n-prefill-chunks"
-    fingerprints = FINGERPRINTS
+    fault = "7"
     source_patched_targets = (POST_PROCESS,)
-    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     fault_evidence = ("no megatron-core release up to 0.19.2 (nor Megatron-LM main of 2026-08-22) "
                       "files top-n log-probs by position")
     waits_for_import = (POST_PROCESS, GET_REQUEST, CALCULATE_TOP_N)  # the engine and the controller

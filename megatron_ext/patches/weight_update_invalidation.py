@@ -93,38 +93,6 @@ SEEN_VERSION_ATTR = "_megatron_ext_weight_version_seen"
 #: The source-patched context's own flush count (patches/: ``prefix_cache_epoch``).
 SOURCE_EPOCH_ATTR = "prefix_cache_epoch"
 
-# Recorded from the released wheels with scripts/record_fingerprints.py.
-_COMMON = {
-    "DynamicInferenceContext._find_kv_match_count": "89289c465254fc71",
-    "DynamicInferenceContext.reinitialize_inference_state_buffers": "f959e3c59b4dbd72",
-}
-_V017 = {**_COMMON,
-         "DynamicInferenceContext.add_request": "8ac0ab32824d8700",
-         "DynamicInferenceContext.initialize_attention_state": "a990b02d340bcf5c",
-         "KVBlockAllocator._deregister_blocks": "b13538964dfdc5ea",
-         "KVBlockAllocator.release_memory_blocks": "acb2ad5b0c79cfc8"}
-_V018 = {**_V017, "DynamicInferenceContext.add_request": "0babd74ab35ee1e0",
-         "DynamicInferenceContext.initialize_attention_state": "ce34d2567e28c6b0"}
-_V019 = {**_COMMON,
-         "DynamicInferenceContext.add_request": "534c2a2ae3b4f713",
-         "DynamicInferenceContext.initialize_attention_state": "979282c8de905400",
-         "KVBlockAllocator._deregister_blocks": "020a9b57fd732f2c",
-         "KVBlockAllocator.release_memory_blocks": "8ba279d0ba796a52"}
-FINGERPRINTS = {"0.17.0": _V017, "0.17.1": _V017, "0.18.0": _V018, "0.18.2": _V018,
-                "0.19.0": _V019, "0.19.2": _V019}
-
-#: The three wrapped functions after the source patches of ``patches/`` (already fixed code);
-#: recorded with ``scripts/record_fingerprints.py --source-patched``.
-_SOURCE_COMMON = {
-    "DynamicInferenceContext._find_kv_match_count": "0589939aa9523018",
-    "DynamicInferenceContext.reinitialize_inference_state_buffers": "35077e02b99f9b94",
-}
-_SOURCE_V017 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "14474a760d91bb97"}
-_SOURCE_V018 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "df08d3f81779aad8"}
-_SOURCE_V019 = {**_SOURCE_COMMON, "DynamicInferenceContext.add_request": "64bbf53e2dabd540"}
-SOURCE_PATCHED_FINGERPRINTS: dict[str, dict[str, str]] = {
-    "0.17.0": _SOURCE_V017, "0.17.1": _SOURCE_V017, "0.18.0": _SOURCE_V018, "0.18.2": _SOURCE_V018,
-    "0.19.0": _SOURCE_V019, "0.19.2": _SOURCE_V019}
 
 #: Bumped by every ``swap_model_weights`` call, and by ``apply()`` after a ``revert()`` (swaps made
 #: meanwhile went unseen); contexts flush when theirs is behind.
@@ -347,9 +315,8 @@ class WeightUpdateInvalidationPatch(Patch):
     (see module docstring)."""
 
     name = "weight-update-invalidation"
-    fingerprints = FINGERPRINTS
+    fault = "8"
     source_patched_targets = (FIND_MATCH, REINITIALIZE, ADD_REQUEST)
-    source_patched_fingerprints = SOURCE_PATCHED_FINGERPRINTS
     fault_evidence = ("no megatron-core release up to 0.19.2 (nor upstream main) drops or salts the "
                       "prefix cache when weights change")
 

@@ -7,6 +7,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...patches import (LruLeafFirstEvictionPatch, LruPinBeforeAllocatePatch, LruRegisterOncePatch,
+                        MambaClampRestorePatch, MatchedBlockWritesPatch, ReleaseRefcountPatch,
+                        WeightUpdateInvalidationPatch)
+from ...patching import fault_label
+
 
 @dataclass(frozen=True)
 class Violation:
@@ -29,17 +34,18 @@ class Violation:
     detail: str
 
 
-#: Violation kind -> the megatron-ext fix whose fault it shows.
-FAULT_OF_KIND = {
-    "kv_write": "fix 2 fault (matched-block-writes)",
-    "ref_count": "fix 1 fault (release-refcount)", "free_pool": "fix 1 fault (release-refcount)",
-    "drain": "fix 1 fault (release-refcount)",
-    "block_table": "fix 4 fault (lru-pin-before-allocate)",
-    "prefix_chain": "fix 3 fault (lru-leaf-first-eviction)",
-    "child_count": "fix 5 fault (lru-register-once)",
-    "stale_hit": "fault 8 (weight-update-invalidation)",
-    "mamba_restore": "fault H1 (mamba-clamp-restore)",
+#: Violation kind -> the patch whose fault it shows.
+PATCH_OF_KIND = {
+    "kv_write": MatchedBlockWritesPatch,
+    "ref_count": ReleaseRefcountPatch, "free_pool": ReleaseRefcountPatch, "drain": ReleaseRefcountPatch,
+    "block_table": LruPinBeforeAllocatePatch,
+    "prefix_chain": LruLeafFirstEvictionPatch,
+    "child_count": LruRegisterOncePatch,
+    "stale_hit": WeightUpdateInvalidationPatch,
+    "mamba_restore": MambaClampRestorePatch,
 }
+#: Violation kind -> the fault it shows, as failure messages name it (``fault 2 (matched-block-writes)``).
+FAULT_OF_KIND = {kind: fault_label(patch) for kind, patch in PATCH_OF_KIND.items()}
 
 
 @dataclass
