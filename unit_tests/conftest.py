@@ -12,8 +12,12 @@ one_error_line``).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +29,23 @@ warnings.filterwarnings("ignore", module="megatron")
 UNPATCHED = os.environ.get("MEGATRON_EXT_TEST_UNPATCHED", "") == "1"
 # Set by functional_tests/test_source_patches.py when the imported tree carries patches/.
 SOURCE_PATCHED = os.environ.get("MEGATRON_EXT_TEST_SOURCE_PATCHED", "") == "1"
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def run_triton_probe(module: str, *args: str) -> dict:
+    """Run ``python -m unit_tests.<module> ARGS`` under Triton's interpreter (which Triton reads at
+    import, hence a fresh interpreter) and return the JSON of its last ``PROBE `` line.
+
+    Raises:
+        AssertionError: the probe failed or printed no ``PROBE`` line (its output's tail attached).
+    """
+    env = {**os.environ, "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", f"unit_tests.{module}", *args],
+                          cwd=_REPO, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("PROBE "):])
 
 
 @pytest.fixture(scope="session")

@@ -7,11 +7,6 @@ subprocess (``unit_tests/mamba_check_probe.py``, about 30 s of CPU time).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +15,8 @@ from megatron_ext.cpu_backend.mamba_check import CHECKED_CASES, MambaDtypes
 from megatron_ext.harness.cases import ModelSpec
 from megatron_ext.harness.hybrid import kernel_dtypes
 
-REPO = Path(__file__).resolve().parents[1]
+from .conftest import run_triton_probe
+
 
 #: What the check says it covered, before its verdict (fp32 run).
 COVERED = ("Mamba kernels (prefill conv + chunk scan: a sequence alone vs first / middle / last of a packed "
@@ -38,12 +34,7 @@ DECODE = [f"{kernel}: request {row} of 3 (slot {slot})"
 
 @pytest.fixture(scope="module")
 def probe() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "unit_tests.mamba_check_probe"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("PROBE "):])
+    return run_triton_probe("mamba_check_probe")
 
 
 def test_hybrid_backend_checks_the_mamba_kernels_and_they_are_batch_invariant(probe):

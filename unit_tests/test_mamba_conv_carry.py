@@ -17,33 +17,20 @@ The SSM state is exact either way (0.17's unpatched chunked SSM differs too: fau
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_ext.patches.mamba_conv_carry import SSM_PREFILL, carry_conv_states, writes_slice_only_conv_state
 
-from .conftest import SOURCE_PATCHED, UNPATCHED
-
-REPO = Path(__file__).resolve().parents[1]
+from .conftest import SOURCE_PATCHED, UNPATCHED, run_triton_probe
 
 
 @pytest.fixture(scope="module")
 def probe() -> dict:
     """The probe's JSON (runtime patches applied unless ``MEGATRON_EXT_TEST_UNPATCHED=1``).
     About 50 s of CPU time."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "unit_tests.hybrid_state_probe",
-                           "unpatched" if UNPATCHED else "patched"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("PROBE "):])
+    return run_triton_probe("hybrid_state_probe", "unpatched" if UNPATCHED else "patched")
 
 
 EXACT = {"conv_equal": True, "ssm_equal": True, "conv_columns_differing": [[], []]}

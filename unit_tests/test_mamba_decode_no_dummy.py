@@ -12,32 +12,19 @@ released call's bits.
 from __future__ import annotations
 
 import inspect
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from megatron_ext.patches.mamba_decode_no_dummy import (INT_STATE_ARG, INT_STRIDES, KERNEL, LAUNCHER, X_ARG,
                                                         passes_dummy_buffer)
 
-from .conftest import SOURCE_PATCHED, UNPATCHED
-
-REPO = Path(__file__).resolve().parents[1]
+from .conftest import SOURCE_PATCHED, UNPATCHED, run_triton_probe
 
 
 @pytest.fixture(scope="module")
 def probe() -> dict:
     """The probe's JSON (runtime patches applied unless ``MEGATRON_EXT_TEST_UNPATCHED=1``)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "unit_tests.mamba_decode_probe",
-                           "unpatched" if UNPATCHED else "patched"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("PROBE "):])
+    return run_triton_probe("mamba_decode_probe", "unpatched" if UNPATCHED else "patched")
 
 
 def test_a_decode_step_without_a_buffer_leaves_x_unchanged(probe):
