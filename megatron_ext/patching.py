@@ -10,46 +10,25 @@ before :func:`megatron_ext.apply` are covered too, and :meth:`Patch.revert` puts
 object that was there before. Wrappers keep ``wrapt``'s calling convention
 ``wrapper(wrapped, instance, args, kwargs)``; a plain function costs less than half of a
 ``wrapt.FunctionWrapper`` per call, and the admission path (``add_request``) runs several.
+Fingerprints are :mod:`megatron_ext.fingerprints`' concern, guarded wrappers (no Python layer on
+the instances a fix leaves alone) :mod:`megatron_ext.guards`'.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-import hashlib
-import inspect
 import sys
-import textwrap
-import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from . import mcore
+from .fingerprints import RecordedFingerprints, fingerprint
+from .guards import BYPASS_ATTR, Guarded, guarded_function
 
 #: Attribute set on every wrapper megatron-ext installs, naming the patch that installed it.
 PATCH_MARKER = "_self_megatron_ext_patch"
-
-
-@dataclass(frozen=True)
-class Guarded:
-    """A wrapper with nothing to do unless ``getattr(instance, attribute) == value``.
-
-    :func:`wrap_method` tests the attribute inline and otherwise calls the wrapped function
-    itself, so a patch costs no Python layer of its own on the instances it leaves alone (a GPT
-    context for a Mamba fix, a REF_ZERO allocator for an LRU fix). The admission path
-    (``add_request``) carries several patched functions per call.
-
-    Attributes:
-        wrapper: ``wrapper(wrapped, instance, args, kwargs)``, as :meth:`Patch.wrappers` gives it.
-        attribute: an attribute every instance of the target's class has (read with ``getattr``).
-        value: what it must equal for ``wrapper`` to run.
-    """
-
-    wrapper: Callable
-    attribute: str
-    value: Any = True
 
 
 @dataclass(frozen=True)
@@ -92,18 +71,6 @@ def wrap_kernel(kernel: Any, launch: KernelLaunch, patch_name: str) -> WrappedKe
     return WrappedKernel(kernel, launch.wrapper, patch_name)
 
 
-def lru_only(wrapper: Callable) -> Guarded:
-    """``wrapper`` guarded to run only where ``prefix_caching_eviction_policy`` is LRU (a
-    ``DynamicInferenceContext`` or a ``KVBlockAllocator``: both keep the policy). Under REF_ZERO,
-    megatron-core's default, the LRU fixes then cost no Python layer of their own.
-
-    Raises:
-        MegatronCoreNotFoundError: megatron-core is not importable.
-    """
-    lru = mcore.import_module("megatron.core.inference.config").PrefixCachingEvictionPolicy.LRU
-    return Guarded(wrapper, "prefix_caching_eviction_policy", lru)
-
-
 def wrap_method(original: Any, wrapper: Callable | Guarded, patch_name: str) -> Callable:
     """A plain function to store in place of the method ``original`` (a class ``__dict__`` entry).
 
@@ -120,7 +87,7 @@ def wrap_method(original: Any, wrapper: Callable | Guarded, patch_name: str) -> 
     bind = original.__get__
     bypass = None
     if isinstance(wrapper, Guarded):
-        patched, bypass = _guarded(original, wrapper)
+        patched, bypass = guarded_function(original, wrapper)
     else:
         def patched(self, *args, **kwargs):
             return wrapper(bind(self), self, args, kwargs)
@@ -129,116 +96,6 @@ def wrap_method(original: Any, wrapper: Callable | Guarded, patch_name: str) -> 
     setattr(patched, PATCH_MARKER, patch_name)  # ... so the marker is set after it
     setattr(patched, BYPASS_ATTR, bypass)
     return patched
-
-
-#: Set on every installed function: ``((attribute, value), function)`` for a :class:`Guarded`
-#: one, the function it calls when the test fails; None for any other.
-BYPASS_ATTR = "_self_megatron_ext_bypass"
-
-
-def _guarded(original: Any, guarded: Guarded) -> tuple[Callable, tuple]:
-    """The installed function for a :class:`Guarded` wrapper, and its bypass (:data:`BYPASS_ATTR`).
-
-    When ``original`` is itself a guarded wrapper with the same test (two Mamba fixes on one
-    function), a failed test goes straight to what that one would call: one test per call, not
-    one per patch. Safe because patches are reverted outermost first (:meth:`Patch.uninstall`).
-
-    The function is generated with ``original``'s own parameter list (:func:`_same_signature`):
-    the bypass then passes the arguments on as they are, without packing them into a tuple and a
-    dict, and the test reads the attribute by name. The wrapper gets every argument but ``self``
-    in ``args``, in ``original``'s order with its defaults filled in (keyword-only ones in
-    ``kwargs``), which is how megatron-ext's wrappers read them anyway.
-    """
-    if not isinstance(original, types.FunctionType):
-        raise TypeError(f"a guarded wrapper needs a plain function to wrap, not {type(original).__name__}")
-    test = (guarded.attribute, guarded.value)
-    inner = getattr(original, BYPASS_ATTR, None)
-    passthrough = inner[1] if inner is not None and inner[0] == test else original
-    if not guarded.attribute.isidentifier():
-        raise ValueError(f"a guard reads an attribute by name, not {guarded.attribute!r}")
-    names = {"passthrough": passthrough, "wrapper": guarded.wrapper, "bind": original.__get__,
-             "value": guarded.value}
-    params, call, args, kwargs = _same_signature(original, names)
-    self_name = call[0] if call else ""
-    if not self_name.isidentifier():  # no parameter, or *args first (a transparent decorator's
-        # ``functools.wraps`` wrapper): the instance is the first argument given, as before 723e8b6
-        return _generic_guard(guarded, passthrough, original.__get__), (test, passthrough)
-    source = (f"def patched({', '.join(params)}):\n"
-              f"    if {self_name}.{guarded.attribute} != {_NS}value:\n"
-              f"        return {_NS}passthrough({', '.join(call)})\n"
-              f"    return {_NS}wrapper({_NS}bind({self_name}), {self_name}, ({''.join(a + ', ' for a in args)}), "
-              f"{{{', '.join(kwargs)}}})\n")
-    namespace = {_NS + key: value for key, value in names.items()}
-    exec(compile(source, f"<megatron-ext guard of {original.__qualname__}>", "exec"), namespace)
-    return namespace["patched"], (test, passthrough)
-
-
-def _generic_guard(guarded: Guarded, passthrough: Callable, bind: Callable) -> Callable:
-    """The guard for a function whose own parameter list names no instance (``(*args, **kwargs)``):
-    the wrapper gets the arguments as they were passed."""
-    wrapper, attribute, value = guarded.wrapper, guarded.attribute, guarded.value
-
-    def patched(self, /, *args, **kwargs):
-        if getattr(self, attribute) != value:
-            return passthrough(self, *args, **kwargs)
-        return wrapper(bind(self), self, args, kwargs)
-
-    return patched
-
-
-#: Prefix of every name a generated function reads from its namespace (none is a parameter name).
-_NS = "_megatron_ext_"
-
-
-def _same_signature(function: types.FunctionType, defaults: dict[str, Any]) -> tuple[list[str], ...]:
-    """``function``'s parameter list as source text, and how to pass each parameter on.
-
-    Returns ``(params, call, args, kwargs)``: ``params`` for a ``def``, ``call`` for a call passing
-    everything on unchanged, and the items of the ``args`` tuple and ``kwargs`` dict a wrapper gets
-    (every parameter after the first). A default value is stored in ``defaults`` as
-    ``default<index>``, read by the ``def`` as ``_NS + "default<index>"``.
-
-    Raises:
-        ValueError: a parameter name megatron-ext's generated code reserves (:data:`_NS`).
-    """
-    params: list[str] = []
-    call: list[str] = []
-    args: list[str] = []
-    kwargs: list[str] = []
-    star = False
-    kinds = inspect.Parameter
-    for index, parameter in enumerate(inspect.signature(function, follow_wrapped=False).parameters.values()):
-        name = parameter.name
-        if name.startswith(_NS):
-            raise ValueError(f"parameter {name!r} of {function.__qualname__} starts with {_NS!r}")
-        default = ""
-        if parameter.default is not parameter.empty:
-            defaults[f"default{index}"] = parameter.default
-            default = f"={_NS}default{index}"
-        if parameter.kind is kinds.VAR_POSITIONAL:
-            params.append(f"*{name}")
-            call.append(f"*{name}")
-            args.append(f"*{name}")
-            star = True
-        elif parameter.kind is kinds.VAR_KEYWORD:
-            params.append(f"**{name}")
-            call.append(f"**{name}")
-            kwargs.append(f"**{name}")
-        elif parameter.kind is kinds.KEYWORD_ONLY:
-            if not star:
-                params.append("*")
-                star = True
-            params.append(name + default)
-            call.append(f"{name}={name}")
-            kwargs.append(f"{name!r}: {name}")
-        else:
-            params.append(name + default)
-            call.append(name)
-            if index:
-                args.append(name)
-            if parameter.kind is kinds.POSITIONAL_ONLY and index + 1 == function.__code__.co_posonlyargcount:
-                params.append("/")
-    return params, call, args, kwargs
 
 
 class ShadowedMethod:
@@ -377,56 +234,6 @@ def megatron_importing() -> bool:
                for name, module in list(sys.modules.items()))
 
 
-def fingerprint(function: Callable) -> str:
-    """SHA-256 (first 16 hex digits) of a function's dedented source, trailing blanks stripped.
-
-    Source, not bytecode: megatron-core ships ``.py`` files, and bytecode changes with the Python
-    patch release while the code we rely on does not. A Triton kernel is fingerprinted by the
-    Python function it compiles, decorators (its ``triton.heuristics``) included.
-
-    Raises:
-        OSError: the source is not available (a ``.pyc``-only install); callers report it as a refusal.
-        TypeError: ``function`` has no source (not a function, nor a Triton kernel).
-    """
-    # Triton's jit, heuristics and autotune layers each keep what they wrap in ``fn``
-    while type(function).__module__.split(".")[0] == "triton" and hasattr(function, "fn"):
-        function = function.fn
-    source = textwrap.dedent(inspect.getsource(function))
-    normalized = "\n".join(line.rstrip() for line in source.splitlines()).strip() + "\n"
-    return hashlib.sha256(normalized.encode()).hexdigest()[:16]
-
-
-#: The recorded fingerprints, shipped in the wheel and written by ``scripts/record_fingerprints.py``:
-#: ``{"released": {patch: {release: {"Class.method": digest}}}, "source_patched": {...}}``.
-FINGERPRINTS_FILE = Path(__file__).with_name("fingerprints.json")
-
-
-@functools.cache
-def recorded_fingerprints() -> dict[str, dict[str, dict[str, dict[str, str]]]]:
-    """:data:`FINGERPRINTS_FILE`, read once (at the first patch check, not at import).
-
-    Raises:
-        OSError, ValueError: the file is missing or not JSON (a broken install).
-    """
-    import json  # not at import: ``import megatron_ext`` at start-up loads as little as it can
-
-    with open(FINGERPRINTS_FILE, encoding="utf-8") as file:
-        return json.load(file)
-
-
-class RecordedFingerprints:
-    """A :class:`Patch` class attribute: the patch's table in :data:`FINGERPRINTS_FILE` under
-    ``kind`` (``"released"`` or ``"source_patched"``), looked up by the class's ``name``; ``{}``
-    when none is recorded. A non-data descriptor, so a subclass or instance attribute of the same
-    name takes its place."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-
-    def __get__(self, instance: Any, owner: type) -> dict[str, dict[str, str]]:
-        return recorded_fingerprints()[self.kind].get(owner.name, {})
-
-
 def fault_label(patch: type[Patch] | Patch) -> str:
     """``fault <ID> (<patch name>)``, e.g. ``fault 8 (weight-update-invalidation)``: how audits
     and failure messages name the fault a patch fixes."""
@@ -444,12 +251,14 @@ class Patch(ABC):
             (:func:`fault_label` spells it in audits and failure messages).
         fingerprints: release -> {``Class.method``: fingerprint} of every target and every
             function the wrapper relies on (:meth:`checked_functions`), recorded from the released
-            wheels; read from :data:`FINGERPRINTS_FILE` by :attr:`name`.
+            wheels; read from
+            :data:`~megatron_ext.fingerprints.FINGERPRINTS_FILE` by :attr:`name`.
         source_patched_targets: the functions the source patch of ``patches/`` changes for this
             fault; the default :meth:`needed` answers "not needed" when all of them are that code.
         source_patched_fingerprints: release -> {``Class.method``: fingerprint} of those functions
             after ``patches/`` (``scripts/record_fingerprints.py --source-patched``); read from
-            :data:`FINGERPRINTS_FILE` like :attr:`fingerprints`.
+            :data:`~megatron_ext.fingerprints.FINGERPRINTS_FILE` like
+            :attr:`fingerprints`.
         fault_evidence: what :meth:`needed` says of code that is not source-patched.
         waits_for_import: targets in modules megatron-core may still be importing when
             ``MEGATRON_EXT_AUTO`` applies the patches (its hook on the dynamic context runs inside

@@ -30,14 +30,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from megatron_ext.fingerprints import FINGERPRINTS_FILE  # noqa: E402
 from megatron_ext.mcore import SUPPORTED_RELEASES  # noqa: E402
-from megatron_ext.patching import FINGERPRINTS_FILE  # noqa: E402
 from megatron_ext.source_patches import patch_source, unpack_release  # noqa: E402
 
 CHILD = """
 import json, sys
 from megatron_ext.patches import ALL_PATCHES
-from megatron_ext.patching import fingerprint
+from megatron_ext.fingerprints import fingerprint
 source_patched = sys.argv[1] == "source_patched"
 print(json.dumps({p.name: {t.qualname: fingerprint(t.original())
                            for t in (p.source_patched_targets if source_patched else p.checked_functions())}

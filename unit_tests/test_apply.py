@@ -25,7 +25,8 @@ from megatron_ext.patches.lru_register_once import REGISTER
 from megatron_ext.patches.lru_resume_evictable import RESUME
 from megatron_ext.patches.mamba_decode_no_dummy import KERNEL
 from megatron_ext.patches.deregister_own_hash import DEREGISTER
-from megatron_ext.patching import PatchState, installed_patches, recorded_fingerprints
+from megatron_ext.fingerprints import recorded_fingerprints
+from megatron_ext.patching import PatchState, installed_patches
 
 from .allocator_factory import make_allocator, pin, ref_counts
 

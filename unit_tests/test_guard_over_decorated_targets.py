@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 
-from megatron_ext.patching import Guarded, wrap_method
+from megatron_ext.guards import Guarded
+from megatron_ext.patching import wrap_method
 
 
 class Traced:

@@ -1,11 +1,12 @@
-"""``Guarded`` wrappers (megatron_ext.patching): a patch with nothing to do on an instance costs
+"""``Guarded`` wrappers (megatron_ext.guards): a patch with nothing to do on an instance costs
 no Python layer of its own there, and two patches with the same test share one test per call."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_ext.patching import BYPASS_ATTR, PATCH_MARKER, Guarded, wrap_method
+from megatron_ext.guards import BYPASS_ATTR, Guarded
+from megatron_ext.patching import PATCH_MARKER, wrap_method
 
 
 class Context:

@@ -19,7 +19,7 @@ from packaging.version import Version
 
 from megatron_ext import mcore
 from megatron_ext.patches import ALL_PATCHES
-from megatron_ext.patching import FINGERPRINTS_FILE
+from megatron_ext.fingerprints import FINGERPRINTS_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 SUPPORTED = mcore.SUPPORTED_RELEASES

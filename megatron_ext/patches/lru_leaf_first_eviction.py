@@ -48,7 +48,8 @@ import torch
 
 from ..errors import MegatronExtError
 from ..mcore import DYNAMIC_CONTEXT_MODULE, KV_BLOCK_ALLOCATOR_MODULE, uses_lru_prefix_caching
-from ..patching import Guarded, Patch, Target, installed_patches, lru_only
+from ..guards import Guarded, lru_only
+from ..patching import Patch, Target, installed_patches
 from .lru_register_once import bind_registration, unregistered
 from .views import cpu_view
 
@@ -325,7 +326,7 @@ def evict_leaves_first(allocator: Any, num_blocks_needed: int) -> bool:
 def _find_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
     """A lookup walks a matched chain down to its root: resync first, so no unlinked cached
     block (a child whose parent the released code evicted) is ever matched. Guarded
-    (:func:`~megatron_ext.patching.lru_only`); only prefix caching matches."""
+    (:func:`~megatron_ext.guards.lru_only`); only prefix caching matches."""
     sync_forest(context.kv_block_allocator)
     return wrapped(*args, **kwargs)
 

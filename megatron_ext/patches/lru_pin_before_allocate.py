@@ -28,7 +28,8 @@ from typing import Any, Callable
 import torch
 
 from ..mcore import DYNAMIC_CONTEXT_MODULE, KV_BLOCK_ALLOCATOR_MODULE
-from ..patching import Guarded, Patch, ShadowedMethod, Target, lru_only
+from ..guards import Guarded, lru_only
+from ..patching import Patch, ShadowedMethod, Target
 
 ADD_REQUEST = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.add_request")
 CHECK_AVAILABILITY = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.check_availability")
@@ -44,7 +45,7 @@ def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: d
     reads the hash map and the request in 0.17/0.18) is computed here, before anything is
     allocated, and the released ``add_request`` is handed the same result: for the duration of the
     call the context's own ``_compute_prefix_match`` attribute answers the call with these
-    arguments from it (any other call goes through). Guarded (:func:`~megatron_ext.patching.lru_only`).
+    arguments from it (any other call goes through). Guarded (:func:`~megatron_ext.guards.lru_only`).
     """
     allocator = context.kv_block_allocator
     if not allocator.enable_prefix_caching:

@@ -22,7 +22,8 @@ from typing import Any, Callable
 import torch
 
 from ..mcore import KV_BLOCK_ALLOCATOR_MODULE, import_module
-from ..patching import Guarded, Patch, Target, lru_only
+from ..guards import Guarded, lru_only
+from ..patching import Patch, Target
 
 REGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.register_kv_block_hashes")
 DEREGISTER = Target(KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator._deregister_blocks")

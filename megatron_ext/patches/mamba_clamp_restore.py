@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 from .. import mcore
 from ..mcore import DYNAMIC_CONTEXT_MODULE
-from ..patching import Guarded, Patch, Target
+from ..guards import Guarded
+from ..patching import Patch, Target
 
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
 # Relied on: add_request restores from matched_block_ids[skip // block - 1] on the first chunk,

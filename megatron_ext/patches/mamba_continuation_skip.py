@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..mcore import DYNAMIC_CONTEXT_MODULE
-from ..patching import Guarded, Patch, Target
+from ..guards import Guarded
+from ..patching import Patch, Target
 
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
 # Relied on: add_request restores Mamba state only when finished_chunk_token_count == 0.

@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..mcore import DYNAMIC_CONTEXT_MODULE
-from ..patching import Guarded, Patch, Target
+from ..guards import Guarded
+from ..patching import Patch, Target
 
 COMPUTE_PREFIX_MATCH = Target(DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext._compute_prefix_match")
 # Relied on: the KV match the released _compute_prefix_match computes, same arguments.

@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..mcore import DYNAMIC_CONTEXT_MODULE
-from ..patching import Guarded, Patch, Target
+from ..guards import Guarded
+from ..patching import Patch, Target
 from .request_state import RequestSideTable
 from .views import cpu_view
 

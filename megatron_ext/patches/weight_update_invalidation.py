@@ -66,7 +66,8 @@ import torch
 
 from .. import mcore
 from ..env import choice
-from ..patching import Guarded, Patch, PatchResult, PatchState, Target
+from ..guards import Guarded
+from ..patching import Patch, PatchResult, PatchState, Target
 from . import weight_versions
 
 ON_WEIGHT_UPDATE_ENV = "MEGATRON_EXT_ON_WEIGHT_UPDATE"
