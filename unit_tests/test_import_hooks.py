@@ -1,4 +1,4 @@
-"""``megatron_ext._startup.import_hooks.when_imported``: the standard-library post-import hook that
+"""``megatron_ext.import_hooks.when_imported``: the standard-library post-import hook that
 ``MEGATRON_EXT_AUTO=1`` registers at start-up (in place of wrapt's).
 
 Each test writes a fresh module into a temporary directory on ``sys.path`` (a unique name, so no
@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from megatron_ext._startup import import_hooks
-from megatron_ext._startup.import_hooks import pending, when_imported
+from megatron_ext import import_hooks
+from megatron_ext.import_hooks import pending, when_imported
 
 _NAMES = itertools.count()
 
@@ -51,6 +51,8 @@ def make_module(tmp_path, monkeypatch):
 
 
 EXECUTIONS: list[str] = []
+#: set by a module's code once it runs / waited for by it (a module another thread is importing)
+STARTED, GATE = threading.Event(), threading.Event()
 
 
 def finder_installed() -> bool:
@@ -193,3 +195,21 @@ def test_missing_module_is_left_to_the_import_system(make_module):
     assert pending(name) == 1  # still waiting: the module may appear later
     import_hooks._FINDER.hooks.pop(name)  # leave no finder behind for the other tests
     sys.meta_path.remove(import_hooks._FINDER)
+
+
+def test_without_wait_it_returns_while_another_thread_still_executes_the_module(make_module):
+    # fault 8 registers under apply()'s lock, which that import may need (MEGATRON_EXT_AUTO):
+    # waiting could deadlock; the patch catches up at its next call instead
+    name = make_module("from unit_tests.test_import_hooks import STARTED, GATE\nSTARTED.set()\nGATE.wait(30)")
+    STARTED.clear(), GATE.clear()
+    importer = threading.Thread(target=importlib.import_module, args=(name,))
+    importer.start()
+    assert STARTED.wait(30)
+    seen = []
+    when_imported(name, lambda module: seen.append(hasattr(module, "answer")), wait=False)
+    returned_mid_import = not GATE.is_set()
+    GATE.set()
+    importer.join(timeout=30)
+    assert returned_mid_import
+    assert seen == [False]  # ran at once, on the module as it was: answer() not defined yet
+    assert pending(name) == 0 and not finder_installed()

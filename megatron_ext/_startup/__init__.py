@@ -1,7 +1,7 @@
 """Interpreter start-up hook, run from ``megatron_ext_startup.pth`` when ``MEGATRON_EXT_AUTO=1``.
 
 It imports neither torch nor megatron-core nor wrapt at start-up: it registers a post-import hook
-(:func:`megatron_ext._startup.import_hooks.when_imported`, standard library only) so the patches
+(:func:`megatron_ext.import_hooks.when_imported`, standard library only) so the patches
 are applied the moment megatron-core's dynamic inference context is imported (at once if it is
 imported already). That module imports the KV block allocator module itself, so both targets exist
 by then. wrapt, torch and the patches load inside the hook, with megatron-core. The
@@ -16,7 +16,7 @@ printed again only when its state changed.
 # at the start-up of every process under MEGATRON_EXT_AUTO=1 (each module there counts).
 import os
 
-from .import_hooks import when_imported
+from ..import_hooks import when_imported
 
 AUTO_ENV = "MEGATRON_EXT_AUTO"
 HOOKED_MODULE = "megatron.core.inference.contexts.dynamic_context"

@@ -67,6 +67,7 @@ import torch
 from .. import mcore
 from ..env import choice
 from ..guards import Guarded
+from ..import_hooks import when_imported
 from ..patching import Patch, PatchResult, PatchState, Target
 from . import weight_versions
 
@@ -398,9 +399,10 @@ class _SwapHook:
         self.pending = self.original is None
         module = sys.modules.get(REFIT_MODULE)
         if module is None and not self._hooked:
-            import wrapt
-
-            wrapt.register_post_import_hook(lambda _module: self.wrap_if_ready(), REFIT_MODULE)
+            # No waiting for another thread's import of the module: apply() holds its lock here,
+            # which that import may need (MEGATRON_EXT_AUTO applies from an import hook). An
+            # import missed that way is caught up by the next prefix match (self.pending).
+            when_imported(REFIT_MODULE, lambda _module: self.wrap_if_ready(), wait=False)
             self._hooked = True
         self.wrap_if_ready()
 

@@ -5,6 +5,7 @@ once if it is imported already, else right after its code runs (inside the impor
 first loads it, before that statement returns, so no thread sees the module before the hook has
 run). This replaces ``wrapt.register_post_import_hook``, whose import costs about 90 ms of a
 Python start-up of about 15 ms: ``MEGATRON_EXT_AUTO=1`` installs a hook in every process of a job.
+It is megatron-ext's one post-import hook mechanism: the runtime patches use it too.
 
 How: a :data:`sys.meta_path` finder (first in the list) answers only for the names it waits for.
 It asks the finders after it for the module's real spec and wraps its loader; the wrapper runs the
@@ -122,17 +123,22 @@ def _finder() -> _PostImportFinder:
         return _FINDER
 
 
-def when_imported(name: str, hook) -> None:
+def when_imported(name: str, hook, wait: bool = True) -> None:
     """Call ``hook(module)`` once, when module ``name`` has been executed (at once if it has been).
 
     Args:
         name: the module's full dotted name, e.g. ``megatron.core.inference.contexts.dynamic_context``.
         hook: called with the module object: on the thread that executed the module, inside the
             import statement that loaded it; or, if it was imported already, here, before returning.
+        wait: wait for another thread's import of ``name`` in flight (below). False for a caller
+            holding a lock that import may need: the hook then meets a module another thread is
+            still executing as it is (at once), or, for an import that had passed the finder
+            already, never runs; such a caller needs another way to catch up (a runtime patch's
+            next call, say).
 
-    It may wait for another thread's import of ``name`` to finish (see below): do not call it while
-    holding a lock that code run by that import could need (an ``apply()`` lock taken by an import
-    hook, say), or both threads wait forever. Start-up, where it is called, holds none.
+    With ``wait`` it may wait for another thread's import of ``name`` to finish: do not call it so
+    while holding a lock that code run by that import could need (an ``apply()`` lock taken by an
+    import hook, say), or both threads wait forever. Start-up, where it is called, holds none.
 
     Raises:
         Whatever ``hook`` raises when it runs at once (the module was imported already).
@@ -144,7 +150,8 @@ def when_imported(name: str, hook) -> None:
     # will see the hook). Without the wait, a thread between its find_spec and its sys.modules entry
     # would leave the hook waiting forever.
     finder.add(name, hook)
-    _wait_for_import(name)
+    if wait:
+        _wait_for_import(name)
     module = sys.modules.get(name)
     if module is not None:
         finder.fire(name, module)
