@@ -304,6 +304,21 @@ def test_swap_model_weights_flushes_every_context_at_its_next_prefix_match(ctx):
     assert fault8.context_epoch(ctx) == epoch + 1
 
 
+def test_the_first_weight_update_of_a_job_moves_the_epoch_after_a_round_that_left_nothing_cached(ctx, monkeypatch):
+    # The RL loop from the start of a job: weight version 0, a rollout round that finishes (REF_ZERO
+    # then caches nothing), a refit, the next round. Its tokens run under version 1: the context
+    # was met in round one, so it flushes (its epoch moves) although nothing is cached.
+    monkeypatch.setattr(fault8, "_current_version", 0)  # the job's first update, whatever ran before
+    refit = importlib.import_module(fault8.REFIT_MODULE)
+    ctx.add_request(make_request(1, A))
+    retire(ctx, [0])
+    assert fault8.context_epoch(ctx) == 0
+    with pytest.raises(TypeError):  # fails before copying anything: still counts as an update
+        refit.swap_model_weights(None, None, refit_method=object())
+    ctx.add_request(make_request(2, A))
+    assert fault8.context_epoch(ctx) == 1
+
+
 @pytest.mark.skipif(SOURCE_PATCHED, reason="the runtime wrapper of swap_model_weights is megatron-ext's; "
                     "source-patched code bumps the weight version inside swap_model_weights itself")
 def test_swap_model_weights_is_restored_by_revert(runtime_patches):
