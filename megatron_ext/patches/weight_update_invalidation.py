@@ -230,7 +230,7 @@ def _sync_weight_version(context: Any) -> None:
     state = context.__dict__
     if SEEN_VERSION_ATTR not in state and not _has_cached_blocks(context):
         state[SEEN_VERSION_ATTR] = _current_version  # first met, nothing cached: nothing to flush
-    elif state.get(SEEN_VERSION_ATTR, 0) != _current_version:
+    elif state.get(SEEN_VERSION_ATTR) != _current_version:
         flush(context)
 
 
@@ -255,7 +255,7 @@ def _find_match_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: di
     (guarded: ``enable_prefix_caching``).
     """
     state = context.__dict__
-    if SWAP_HOOK.pending or state.get(SEEN_VERSION_ATTR, 0) != _current_version:
+    if SWAP_HOOK.pending or state.get(SEEN_VERSION_ATTR) != _current_version:
         _sync_weight_version(context)
     req = kwargs["req"] if "req" in kwargs else args[0]
     books = weight_versions.books_of(req)
@@ -277,7 +277,7 @@ def _add_request_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: d
     req = kwargs["req"] if "req" in kwargs else args[0]
     if req.finished_chunk_token_count == 0:
         state = context.__dict__
-        if SWAP_HOOK.pending or state.get(SEEN_VERSION_ATTR, 0) != _current_version:
+        if SWAP_HOOK.pending or state.get(SEEN_VERSION_ATTR) != _current_version:
             _sync_weight_version(context)
         weight_versions.open_books(req, context, state.get(EPOCH_ATTR, 0))
     return wrapped(*args, **kwargs)
@@ -287,7 +287,7 @@ def _step_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: dict):
     """``initialize_attention_state(...)``: once per engine step, before the forward pass. A swap
     since the last flush flushes here at the latest, so that the epoch (the weight version the
     tokens are recorded under) moves with the weights even in steps that admit nobody."""
-    if SWAP_HOOK.pending or context.__dict__.get(SEEN_VERSION_ATTR, 0) != _current_version:
+    if SWAP_HOOK.pending or context.__dict__.get(SEEN_VERSION_ATTR) != _current_version:
         _sync_weight_version(context)
     return wrapped(*args, **kwargs)
 
