@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import megatron_ext.cpu_backend  # noqa: F401  before any apply(): how the Mamba mixer is imported
 from megatron_ext import mcore
 
 REPO = Path(__file__).resolve().parents[1]

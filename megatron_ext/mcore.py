@@ -6,9 +6,12 @@ everywhere: one line naming the fix, never an ImportError traceback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
+import sys
 from types import ModuleType
+from typing import Callable, ContextManager
 
 from packaging.version import InvalidVersion, Version
 
@@ -91,16 +94,32 @@ def release_series(version: str) -> str:
     return f"{parsed.major}.{parsed.minor}"
 
 
+#: module name -> context entered around its first import through :func:`import_module`
+_IMPORT_CONTEXTS: dict[str, Callable[[], ContextManager]] = {}
+
+
+def register_import_context(name: str, context: Callable[[], ContextManager]) -> None:
+    """Enter ``context()`` around the first import of megatron-core module ``name`` through
+    :func:`import_module` (a runtime patch's target, say). For a backend that decides how a module
+    binds its optional imports, which it does once, at import: the CPU backend registers the Mamba
+    mixer (:mod:`megatron_ext.cpu_backend.mamba`), so a patch importing it need not know of backends.
+    """
+    _IMPORT_CONTEXTS[name] = context
+
+
 def import_module(name: str) -> ModuleType:
-    """Import a megatron-core module by dotted name.
+    """Import a megatron-core module by dotted name (inside its registered import context, if any,
+    when it is not imported yet: :func:`register_import_context`).
 
     Raises:
         UnsupportedReleaseError: the module is missing from an unsupported release (reached when
             forced): named with the release, not as an import failure.
         MegatronCoreNotFoundError: megatron-core (or this module of it) cannot be imported.
     """
+    context = _IMPORT_CONTEXTS.get(name) if name not in sys.modules else None
     try:
-        return importlib.import_module(name)
+        with context() if context is not None else contextlib.nullcontext():
+            return importlib.import_module(name)
     except ModuleNotFoundError as exc:
         if exc.name and (exc.name == "megatron" or exc.name.startswith("megatron.")):
             try:

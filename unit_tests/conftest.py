@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import megatron_ext
+import megatron_ext.cpu_backend  # noqa: F401  before any apply(): how the Mamba mixer is imported
 from megatron_ext import mcore
 
 warnings.filterwarnings("ignore", module="megatron")

@@ -17,6 +17,8 @@ The SSM state is exact either way (0.17's unpatched chunked SSM differs too: fau
 
 from __future__ import annotations
 
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -77,3 +79,16 @@ def test_carry_conv_states_is_the_last_d_conv_inputs_of_history_and_slice(length
 def test_the_code_probe_tells_released_from_source_patched_ssm_prefill():
     has_fault, evidence = writes_slice_only_conv_state(SSM_PREFILL.original())
     assert (has_fault, "_carry_conv_states" in evidence) == (not SOURCE_PATCHED, SOURCE_PATCHED), evidence
+
+
+def test_apply_imports_the_mixer_the_cpu_backend_can_still_run():
+    # mamba-conv-carry's check imports the mixer; with the CPU backend imported first it binds
+    # mamba_ssm through the compiled-extension stand-ins (a plain import binds the MagicMock
+    # fallbacks for good: HAVE_MAMBA_SSM False), which are gone again afterwards
+    code = ("import megatron_ext.cpu_backend, megatron_ext, sys\n"
+            "states = {r.patch: r.state.value for r in megatron_ext.apply()}\n"
+            "mixer = sys.modules['megatron.core.ssm.mamba_mixer']\n"
+            "print(states['mamba-conv-carry'], mixer.HAVE_MAMBA_SSM, 'selective_scan_cuda' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    state = "not needed" if SOURCE_PATCHED else "applied"
+    assert out.splitlines()[-1] == f"{state} True False"

@@ -18,7 +18,10 @@ rest:
 * **Import order.** ``mamba_mixer`` binds ``mamba_ssm``'s kernels and gated RMSNorm at import
   time (``try: import``); imported before the stand-ins exist it falls back for good (its
   ``ExtendedRMSNorm`` subclasses a ``MagicMock``), so :func:`mamba_on_cpu` refuses to run then.
-  megatron-core's dynamic context, engine, attention and GPT modules do not import it.
+  megatron-core's dynamic context, engine, attention and GPT modules do not import it; a runtime
+  patch on the mixer (``mamba-conv-carry``) does, through :func:`megatron_ext.mcore.import_module`,
+  which this module tells to import it with the stand-ins (:func:`extension_standins`): import
+  the CPU backend before applying the patches.
 * **CUDA-asserting helpers** (they ``assert tensor.is_cuda`` before launching a Triton kernel),
   replaced by plain-torch copies under the names ``mamba_mixer`` looked them up as:
   ``tensor_masked_update`` (every release with dynamic Mamba inference) and, from 0.19,
@@ -46,6 +49,7 @@ from typing import Any, Iterator
 
 import torch
 
+from .. import mcore
 from ._swap import AttributeSwap
 
 #: megatron-core's Mamba mixer module (all releases 0.17-0.19).
@@ -242,25 +246,28 @@ def _check_mamba_packages() -> None:
             "run scripts/bootstrap.sh, which installs them from source without CUDA") from error
 
 
-def import_mamba_mixer() -> types.ModuleType:
-    """Import ``megatron.core.ssm.mamba_mixer`` with the compiled-extension stand-ins in place, so
-    that its optional ``mamba_ssm`` / ``causal_conv1d`` imports bind where those packages are
-    installed without their CUDA builds (a later :func:`mamba_on_cpu` can then still run it).
-    The stand-ins are removed from ``sys.modules`` again; nothing else is replaced. For a runtime
-    patch that wraps the mixer before any hybrid model is built.
+@contextlib.contextmanager
+def extension_standins() -> Iterator[None]:
+    """Within the block, the compiled-extension stand-ins are in ``sys.modules`` where the real
+    modules do not import; removed again on exit (packages imported meanwhile keep them).
 
-    Raises:
-        megatron_ext.errors.MegatronCoreNotFoundError: megatron-core is not importable.
+    Registered for the Mamba mixer's first import through :func:`megatron_ext.mcore.import_module`
+    (below), so that a runtime patch importing the mixer before any hybrid model is built binds its
+    optional ``mamba_ssm`` / ``causal_conv1d`` imports where those packages are installed without
+    their CUDA builds; :func:`mamba_on_cpu` can then still run it. Where the real extensions
+    import, nothing is added.
     """
-    from .. import mcore
-
     added: list[str] = []
     try:
         _install_extension_standins(added)
-        return mcore.import_module(MAMBA_MIXER_MODULE)
+        yield
     finally:
         for name in added:
             sys.modules.pop(name, None)
+
+
+# Importing the CPU backend decides how the mixer is imported by megatron-ext (a patch's plan()).
+mcore.register_import_context(MAMBA_MIXER_MODULE, extension_standins)
 
 
 @contextlib.contextmanager
@@ -276,8 +283,6 @@ def mamba_on_cpu() -> Iterator[None]:
         RuntimeError: Triton's interpreter is not on (:func:`triton_interpreter_ready`).
         megatron_ext.errors.MegatronCoreNotFoundError: megatron-core is not importable.
     """
-    from .. import mcore
-
     ready, why = triton_interpreter_ready()
     if not ready:
         raise RuntimeError(why)
@@ -290,8 +295,8 @@ def mamba_on_cpu() -> Iterator[None]:
         if already is not None and not getattr(already, "HAVE_MAMBA_SSM", False):
             raise RuntimeError(
                 f"{MAMBA_MIXER_MODULE} was imported before mamba_on_cpu() (without mamba_ssm: its "
-                "gated RMSNorm is a MagicMock); enter the CPU backend before importing megatron-core's "
-                "Mamba / hybrid model modules")
+                "gated RMSNorm is a MagicMock); import megatron_ext.cpu_backend before importing "
+                "megatron-core's Mamba / hybrid model modules or applying megatron-ext's patches")
         mixer = mcore.import_module(MAMBA_MIXER_MODULE)
         for name, standin in HELPER_STANDINS.items():
             if hasattr(mixer, name):

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..patching import Patch, PatchResult, Target
+from ..patching import Patch, Target
 
 MAMBA_MIXER_MODULE = "megatron.core.ssm.mamba_mixer"
 SSM_PREFILL = Target(MAMBA_MIXER_MODULE, "MambaMixer._ssm_prefill")
@@ -115,17 +115,6 @@ class MambaConvCarryPatch(Patch):
 
     def wrappers(self) -> dict[Target, Callable]:
         return {SSM_PREFILL: _ssm_prefill_wrapper}
-
-    def plan(self, version: str, force: bool) -> PatchResult:
-        """As :meth:`Patch.plan`, after importing the mixer module the way the CPU backend can
-        still use it (a plain import without ``mamba_ssm``'s CUDA extensions would bind its
-        fallbacks for good: :func:`megatron_ext.cpu_backend.mamba.import_mamba_mixer`), unless
-        the mixer module is mid-import (:attr:`~megatron_ext.patching.Patch.waits_for_import`)."""
-        if not self.import_pending():
-            from ..cpu_backend.mamba import import_mamba_mixer
-
-            import_mamba_mixer()
-        return super().plan(version, force)
 
     def needed(self) -> tuple[bool, str]:
         """Not needed on source-patched code (fingerprint) nor on code that carries the state
