@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .. import env, mcore
-from .cases import Case
+from .cases.schema import Case
 from .tokenizer import Tokenizer, default_tokenizer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

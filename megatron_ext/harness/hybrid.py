@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 
 from .. import mcore
 from ..cpu_backend._swap import AttributeSwap
-from .cases import ModelSpec
+from .cases.schema import ModelSpec
 
 
 def _has_hybrid_package() -> bool:
