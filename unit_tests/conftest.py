@@ -34,15 +34,17 @@ SOURCE_PATCHED = os.environ.get("MEGATRON_EXT_TEST_SOURCE_PATCHED", "") == "1"
 _REPO = Path(__file__).resolve().parents[1]
 
 
-def run_triton_probe(module: str, *args: str) -> dict:
-    """Run ``python -m unit_tests.<module> ARGS`` under Triton's interpreter (which Triton reads at
-    import, hence a fresh interpreter) and return the JSON of its last ``PROBE `` line.
+def run_triton_probe(name: str, *args: str) -> dict:
+    """Run ``python scripts/probes/<name>.py ARGS`` under Triton's interpreter (which Triton reads at
+    import, hence a fresh interpreter), with this checkout's ``megatron_ext`` first on the path, and
+    return the JSON of its last ``PROBE `` line.
 
     Raises:
         AssertionError: the probe failed or printed no ``PROBE`` line (its output's tail attached).
     """
-    env = {**os.environ, "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", f"unit_tests.{module}", *args],
+    path = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1"}
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(_REPO / "scripts" / "probes" / f"{name}.py"), *args],
                           cwd=_REPO, env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]

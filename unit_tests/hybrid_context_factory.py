@@ -81,26 +81,6 @@ def engine_mamba_match(context: Any, req: Any) -> None:
         req._mamba_num_matched_blocks = find(types.SimpleNamespace(context=context), req)
 
 
-@contextlib.contextmanager
-def recorded_restores(context: Any) -> Iterator[list[tuple[int, bool]]]:
-    """Record ``(block_id, restored)`` for every ``restore_to_live`` of the context's Mamba slot
-    allocator (an instance attribute, removed afterwards)."""
-    slots = context.mamba_slot_allocator
-    released = slots.restore_to_live
-    seen: list[tuple[int, bool]] = []
-
-    def restore_to_live(request_idx: int, block_id: int) -> bool:
-        restored = released(request_idx, block_id)
-        seen.append((int(block_id), bool(restored)))
-        return restored
-
-    slots.restore_to_live = restore_to_live
-    try:
-        yield seen
-    finally:
-        del slots.restore_to_live
-
-
 def run_pending_mamba_ops(context: Any) -> None:
     """The restores and zeroing ``add_request`` left for the next step (0.18+ defer them to
     ``initialize_attention_state``; 0.17 runs them inside ``add_request``)."""

@@ -2,7 +2,7 @@
 Mamba kernels, fails naming the kernel when one is made batch-variant, runs only for hybrid models.
 
 The kernels run under Triton's interpreter, which Triton reads at import, so the check runs in a
-subprocess (``unit_tests/mamba_check_probe.py``, about 30 s of CPU time).
+subprocess (``scripts/probes/mamba_check.py``, about 30 s of CPU time).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ DECODE = [f"{kernel}: request {row} of 3 (slot {slot})"
 
 @pytest.fixture(scope="module")
 def probe() -> dict:
-    return run_triton_probe("mamba_check_probe")
+    return run_triton_probe("mamba_check")
 
 
 def test_hybrid_backend_checks_the_mamba_kernels_and_they_are_batch_invariant(probe):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_ext import mcore
+from megatron_ext.harness.factories import recorded_restores
 from megatron_ext.patches.mamba_clamp_restore import (
     COMPUTE_PREFIX_MATCH, MambaClampRestorePatch, has_clamp, restorable_skip,
 )
@@ -22,8 +23,8 @@ from megatron_ext.patches.mamba_clamp_restore import (
 from .conftest import SOURCE_PATCHED
 from .context_factory import block_table, make_request
 from .hybrid_context_factory import (
-    cache_mamba_state, engine_mamba_match, hybrid_prefix_caching_context, live_mamba_values,
-    recorded_restores, run_pending_mamba_ops, snapshot_value,
+    cache_mamba_state, engine_mamba_match, hybrid_prefix_caching_context, live_mamba_values, run_pending_mamba_ops,
+    snapshot_value,
 )
 
 SERIES = mcore.release_series(mcore.installed_version())

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_ext.harness.factories import recorded_restores
 from megatron_ext.patches.mamba_continuation_skip import MambaContinuationSkipPatch
 
 from .conftest import SOURCE_PATCHED
 from .context_factory import add_and_collect_writes, block_table, finish_chunk, make_request
-from .hybrid_context_factory import (
-    engine_mamba_match, hybrid_prefix_caching_context, recorded_restores, run_pending_mamba_ops,
-)
+from .hybrid_context_factory import engine_mamba_match, hybrid_prefix_caching_context, run_pending_mamba_ops
 
 PROMPT = list(range(100, 180))
 

@@ -2,7 +2,7 @@
 
 The released ``MambaMixer._ssm_prefill`` (0.17.0 to 0.19.2) writes the conv state after a slice of
 ``L < d_conv`` tokens as ``[0, ..., 0, x_1 .. x_L]``. Two ways to such a slice, each compared bit
-for bit with the same prompt prefilled at once with caching off (``unit_tests/hybrid_state_probe.py``
+for bit with the same prompt prefilled at once with caching off (``scripts/probes/hybrid_state.py``
 runs megatron-core's engine and Mamba kernels in a subprocess under Triton's interpreter):
 
 * a restored mid-prompt Mamba snapshot (token 32) followed by 2 prompt tokens (fails unpatched on
@@ -32,7 +32,7 @@ from .conftest import SOURCE_PATCHED, UNPATCHED, run_triton_probe
 def probe() -> dict:
     """The probe's JSON (runtime patches applied unless ``MEGATRON_EXT_TEST_UNPATCHED=1``).
     About 50 s of CPU time."""
-    return run_triton_probe("hybrid_state_probe", "unpatched" if UNPATCHED else "patched")
+    return run_triton_probe("hybrid_state", "unpatched" if UNPATCHED else "patched")
 
 
 EXACT = {"conv_equal": True, "ssm_equal": True, "conv_columns_differing": [[], []]}

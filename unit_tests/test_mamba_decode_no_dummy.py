@@ -2,7 +2,7 @@
 
 Released ``selective_state_update`` (0.17.0 to 0.19.2) passes ``x`` as the intermediate-state
 buffer when none is given, with zero strides, and every kernel program stores its state tile
-there. ``unit_tests/mamba_decode_probe.py`` runs it (Triton's interpreter, in a subprocess: about
+there. ``scripts/probes/mamba_decode.py`` runs it (Triton's interpreter, in a subprocess: about
 10 s) for one decode step as ``MambaMixer`` calls it, with the runtime patches applied and then
 with the released code: without a buffer ``x`` must keep its bits (fails unpatched on every
 release: element ``[0, 0, 0, 0]`` changes), and output, SSM state and a given buffer must be the
@@ -24,7 +24,7 @@ from .conftest import SOURCE_PATCHED, UNPATCHED, run_triton_probe
 @pytest.fixture(scope="module")
 def probe() -> dict:
     """The probe's JSON (runtime patches applied unless ``MEGATRON_EXT_TEST_UNPATCHED=1``)."""
-    return run_triton_probe("mamba_decode_probe", "unpatched" if UNPATCHED else "patched")
+    return run_triton_probe("mamba_decode", "unpatched" if UNPATCHED else "patched")
 
 
 def test_a_decode_step_without_a_buffer_leaves_x_unchanged(probe):

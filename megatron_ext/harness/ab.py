@@ -20,7 +20,8 @@ from ..errors import DeviceUnavailableError
 from ..patches import TopNPrefillChunksPatch
 from ..patching import fault_label
 from .audits import FAULT_OF_KIND
-from .cases import Case, PlannedRequest, check_top_n_fits, plan_requests, validate_planned
+from .cases.planning import PlannedRequest, check_top_n_fits, plan_requests, validate_planned
+from .cases.schema import Case
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint, resolve_checkpoint
 from .checkpoint_args import check_case_model_matches_args, checkpoint_model_spec
 from .compare import RequestDiff, RequestOutput, compare_runs, top_n_miscounted

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from pydantic import ValidationError
 
-from .cases import ModelSpec, describe_validation_error
+from .cases.schema import ModelSpec, describe_validation_error
 from .checkpoint import CheckpointError, CheckpointSource, read_common_state
 
 #: ``checkpoint_version`` Megatron-LM writes (training/checkpointing.py).

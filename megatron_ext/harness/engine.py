@@ -16,10 +16,10 @@ from typing import Any, Optional
 import torch
 
 from .. import env, mcore
-from .cases import Case
+from .cases.schema import Case
+from .dtypes import TORCH_DTYPES
+from .hybrid import build_hybrid_model, mamba_inference_state_config
 from .tokenizer import Tokenizer, default_tokenizer
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def dist_timeout() -> datetime.timedelta:
@@ -93,7 +93,7 @@ def transformer_config(case: Case) -> Any:
     """
     module = mcore.import_module("megatron.core.transformer.transformer_config")
     spec = case.model
-    dtype = _DTYPES[spec.params_dtype]
+    dtype = TORCH_DTYPES[spec.params_dtype]
     optional = {} if spec.init_method_std is None else {"init_method_std": spec.init_method_std}
     tp, pp = model_parallel_sizes()
     if pp > 1:
@@ -157,8 +157,6 @@ def build_model(case: Case) -> Any:
         rotary_percent=spec.rotary_percent,
     )
     if spec.is_hybrid:
-        from .hybrid import build_hybrid_model
-
         model = build_hybrid_model(spec, **shared)
     else:
         layer_options = {} if spec.normalization == "LayerNorm" else {"normalization": spec.normalization}
@@ -167,7 +165,7 @@ def build_model(case: Case) -> Any:
                 qk_layernorm=spec.qk_layernorm, **layer_options),
             **shared,
         )
-    return model.to(_DTYPES[case.model.params_dtype]).eval()
+    return model.to(TORCH_DTYPES[case.model.params_dtype]).eval()
 
 
 def inference_config(case: Case, prefix_caching: bool, eviction_policy: str,
@@ -222,11 +220,9 @@ def build_engine(model: Any, case: Case, prefix_caching: bool, eviction_policy: 
     engines = mcore.import_module("megatron.core.inference.engines.dynamic_engine")
     mamba = None
     if case.model.is_hybrid:
-        from .hybrid import mamba_inference_state_config
-
         ssm, conv = case.model.mamba_ssm_states_dtype, case.model.mamba_conv_states_dtype
-        mamba = mamba_inference_state_config(model, None if ssm is None else _DTYPES[ssm],
-                                             None if conv is None else _DTYPES[conv])
+        mamba = mamba_inference_state_config(model, None if ssm is None else TORCH_DTYPES[ssm],
+                                             None if conv is None else TORCH_DTYPES[conv])
     context = dynamic_context.DynamicInferenceContext(
         model.config, inference_config(case, prefix_caching, eviction_policy, mamba))
     wrapped = wrapper.GPTInferenceWrapper(model, context)

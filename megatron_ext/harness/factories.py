@@ -2,12 +2,14 @@
 
 A ``DynamicInferenceContext`` sized for ``add_request``-level work and the requests to add to
 it, built from megatron-core's own classes like :mod:`megatron_ext.harness.engine` builds a
-whole engine.
+whole engine; :func:`recorded_restores` records the Mamba state restores of a hybrid context
+(unit tests, ``scripts/probes/hybrid_state.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -61,3 +63,23 @@ def prefix_caching_request(request_id: int, tokens: list[int], block_size_tokens
         block_size_tokens=block_size_tokens,
         enable_prefix_caching=True,
     )
+
+
+@contextlib.contextmanager
+def recorded_restores(context: Any) -> Iterator[list[tuple[int, bool]]]:
+    """Record ``(block_id, restored)`` for every ``restore_to_live`` of the context's Mamba slot
+    allocator (an instance attribute, removed afterwards)."""
+    slots = context.mamba_slot_allocator
+    released = slots.restore_to_live
+    seen: list[tuple[int, bool]] = []
+
+    def restore_to_live(request_idx: int, block_id: int) -> bool:
+        restored = released(request_idx, block_id)
+        seen.append((int(block_id), bool(restored)))
+        return restored
+
+    slots.restore_to_live = restore_to_live
+    try:
+        yield seen
+    finally:
+        del slots.restore_to_live

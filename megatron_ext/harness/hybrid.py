@@ -23,7 +23,8 @@ from typing import Any, Iterator, Optional
 
 from .. import mcore
 from ..cpu_backend._swap import AttributeSwap
-from .cases import ModelSpec
+from .cases.schema import ModelSpec
+from .dtypes import TORCH_DTYPES
 
 
 def _has_hybrid_package() -> bool:
@@ -193,11 +194,10 @@ def kernel_dtypes(spec: ModelSpec) -> Any:
     ``MambaInferenceStateConfig.from_model`` takes them); None for a model without Mamba layers."""
     if not spec.is_hybrid:
         return None
-    from ..cpu_backend.mamba_check import MambaDtypes
-    from .engine import _DTYPES
+    from ..cpu_backend.mamba_check import MambaDtypes  # here: a GPT run never imports the Mamba check
 
-    return MambaDtypes(_DTYPES[spec.params_dtype], _DTYPES[spec.mamba_ssm_states_dtype or spec.params_dtype],
-                       _DTYPES[spec.mamba_conv_states_dtype or spec.params_dtype])
+    return MambaDtypes(TORCH_DTYPES[spec.params_dtype], TORCH_DTYPES[spec.mamba_ssm_states_dtype or spec.params_dtype],
+                       TORCH_DTYPES[spec.mamba_conv_states_dtype or spec.params_dtype])
 
 
 def mamba_state_dtype_warning(spec: ModelSpec) -> Optional[str]:

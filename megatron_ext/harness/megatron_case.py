@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from .cases import Case, CaseFileError, RequestSpec, parse_case
+from .cases import parse_case
+from .cases.schema import Case, CaseFileError, ModelSpec, RequestSpec
 
 #: Megatron-LM's default KV block size (``--inference-dynamic-batching-block-size``) when absent.
 MEGATRON_BLOCK_SIZE_TOKENS = 256
@@ -354,8 +355,6 @@ def _inference(path: Path, args: _ArgReader, device: str) -> dict[str, Any]:
 
 
 def _model(args: _ArgReader) -> dict[str, Any]:
-    from .cases import ModelSpec
-
     model: dict[str, Any] = {}
     gqa = args.get("--group-query-attention", _flag, False)
     for arg, name in MODEL_FIELDS.items():

@@ -24,7 +24,8 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from ..errors import MegatronExtError
-from .cases import Case, Expectations, RequestSpec, describe_validation_error, sequence_too_long
+from .cases.planning import sequence_too_long
+from .cases.schema import Case, Expectations, RequestSpec, describe_validation_error
 from .tokenizer import Tokenizer, default_tokenizer
 
 #: The keys a JSON Lines prompt may have.

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from pydantic import ValidationError
 
-from .cases import (Case, CaseFileError, Expectations, InferenceSpec, ModelSpec, RequestSpec, WeightUpdateSpec,
-                    describe_validation_error, turn_prompts)
+from .cases.schema import (Case, CaseFileError, Expectations, InferenceSpec, ModelSpec, RequestSpec,
+                           WeightUpdateSpec, describe_validation_error, turn_prompts)
 
 if TYPE_CHECKING:
     from .ab import ABResult

@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from .. import mcore
 from .audits import AuditSummary, ContextAudit, PoolPressure, PrefixCacheCounters
-from .cases import Case, PlannedRequest, validate_planned
+from .cases.planning import PlannedRequest, validate_planned
+from .cases.schema import Case
 from .checkpoint import CheckpointError
 from .compare import RequestOutput
 from .rounds import make_update

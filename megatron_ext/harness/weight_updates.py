@@ -30,7 +30,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..errors import MegatronExtError
-from .cases import PlannedRequest, WeightUpdateSpec
+from .cases.planning import PlannedRequest
+from .cases.schema import WeightUpdateSpec
 from .checkpoint import CheckpointSource, load_checkpoint
 from .compare import RequestOutput
 

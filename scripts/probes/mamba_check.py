@@ -1,5 +1,5 @@
 """The Mamba batch-invariance self-check on the real kernels and on kernels made batch-variant:
-run as ``python -m unit_tests.mamba_check_probe`` under ``TRITON_INTERPRET=1
+run from the repository root as ``python scripts/probes/mamba_check.py`` under ``TRITON_INTERPRET=1
 MAMBA_DETERMINISTIC=1`` (Triton reads them at import); prints one line ``PROBE {json}``.
 
 In one process, in this order (a GPT backend first, so nothing Mamba is imported before it):

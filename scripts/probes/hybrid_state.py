@@ -1,7 +1,7 @@
 """Mamba conv / SSM states after a short prefill slice, against a reference that computed the
-whole prompt at once: run as ``python -m unit_tests.hybrid_state_probe [patched|unpatched]``
-under ``TRITON_INTERPRET=1 MAMBA_DETERMINISTIC=1`` (megatron's Mamba kernels under Triton's
-interpreter, which reads them at import); prints one line ``PROBE {json}``.
+whole prompt at once: run from the repository root as ``python scripts/probes/hybrid_state.py
+[patched|unpatched]`` under ``TRITON_INTERPRET=1 MAMBA_DETERMINISTIC=1`` (megatron's Mamba kernels
+under Triton's interpreter, which reads them at import); prints one line ``PROBE {json}``.
 
 Model: ``functional_tests/cases/hybrid_mid_restore.yaml`` (``M*M``, d_conv 4, Mamba chunk 16,
 block 16, fp32 states). Each probe is one request's live state right after the engine step that
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-CASE = Path(__file__).resolve().parents[1] / "functional_tests" / "cases" / "hybrid_mid_restore.yaml"
+CASE = Path(__file__).resolve().parents[2] / "functional_tests" / "cases" / "hybrid_mid_restore.yaml"
 
 
 def live_states(context: Any, request_id: int) -> tuple[Any, Any]:
@@ -105,10 +105,9 @@ def main(patched: bool) -> dict[str, Any]:
     from megatron_ext.harness.ab import backend
     from megatron_ext.harness.cases import load_case, plan_requests
     from megatron_ext.harness.engine import build_engine, build_model, ensure_model_parallel
+    from megatron_ext.harness.factories import recorded_restores
     from megatron_ext.harness.step_loop import sampling_params
     from megatron_ext.harness.tokenizer import default_tokenizer
-
-    from .hybrid_context_factory import recorded_restores
 
     case = load_case(CASE)
     planned = plan_requests(case, default_tokenizer())

@@ -1,5 +1,5 @@
 """megatron's Mamba decode kernel launcher ``selective_state_update`` for one decode step on the
-CPU: run as ``python -m unit_tests.mamba_decode_probe [patched|unpatched]`` under
+CPU: run from the repository root as ``python scripts/probes/mamba_decode.py [patched|unpatched]`` under
 ``TRITON_INTERPRET=1 MAMBA_DETERMINISTIC=1`` (the kernel runs under Triton's interpreter, which
 reads them at import); prints one line ``PROBE {json}``.
 

@@ -1,0 +1,380 @@
+"""The case-file schema: pydantic models of a case's sections and their validators.
+
+A :class:`Case` is one YAML case file (:mod:`megatron_ext.harness.cases` loads them); every model
+refuses unknown fields and is frozen. Validation errors name the field
+(:func:`describe_validation_error`); loading raises them as :class:`CaseFileError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ...errors import MegatronExtError
+from ..tokenizer import BYTE_LEVEL_VOCAB_SIZE
+
+
+class CaseFileError(MegatronExtError, ValueError):
+    """A case file is missing, not YAML, or has a bad field (the message names the field)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+#: Layer symbols of ``hybrid_layer_pattern`` that megatron-ext's local hybrid spec builds.
+HYBRID_LAYER_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP"}
+
+
+class ModelSpec(_Strict):
+    """A GPT model with megatron-core's local layer spec; weights are seeded random unless loaded.
+
+    Field names are Megatron-LM's training arguments; the defaults are megatron-ext's small GPT
+    (LayerNorm, GELU, learned absolute positions, biases, untied embeddings, multi-head attention).
+
+    * ``num_layers``, ``hidden_size`` (model width, elements), ``num_attention_heads``;
+      ``num_query_groups``: key/value heads for grouped-query attention (Megatron-LM's
+      ``--group-query-attention --num-query-groups``; None: one per attention head); ``kv_channels``:
+      elements per attention head (None: ``hidden_size / num_attention_heads``).
+    * ``ffn_hidden_size``: MLP width (elements). None: ``4 * hidden_size``, or with ``swiglu``
+      Megatron-LM's ``int(4 * hidden_size * 2 / 3 / 64) * 64`` (:meth:`effective_ffn_hidden_size`).
+    * ``normalization``: ``LayerNorm`` or ``RMSNorm``; ``norm_epsilon`` (megatron-core's
+      ``layernorm_epsilon``); ``qk_layernorm``: a norm on queries and keys.
+    * ``swiglu``: gated MLP with SiLU (``linear_fc1`` is ``[2 * ffn_hidden_size, hidden_size]``);
+      otherwise GELU.
+    * ``position_embedding_type``: ``learned_absolute`` (a ``[max_position_embeddings,
+      hidden_size]`` table), ``rope`` (rotary, ``rotary_base``, applied to ``rotary_percent`` of
+      each head's channels) or ``none`` (no position embedding: hybrid models, whose Mamba layers
+      carry position, e.g. Nemotron-H).
+    * ``add_bias_linear``: biases in every linear layer; ``add_qkv_bias``: a bias in the QKV
+      projection even when ``add_bias_linear`` is off (Qwen-style).
+    * ``untie_embeddings_and_output_weights``: a separate output layer instead of reusing the
+      word embeddings (default True: megatron-core's ``GPTModel`` default, which megatron-ext's
+      model has always used; Megatron-LM's training default is tied).
+    * ``vocab_size``: rows of the word embedding (Megatron-LM's ``padded_vocab_size``), at least
+      the byte tokenizer's 257; ``max_position_embeddings``: longest sequence (tokens).
+    * ``params_dtype``: ``fp32`` or ``bf16``; ``seed`` of the random weights;
+      ``init_method_std``: their standard deviation (megatron-core's ``TransformerConfig.init_method_std``;
+      None keeps its default, 0.02). Tiny random models give near-uniform next-token log-probs
+      at 0.02; around 0.1 they are peaked enough that greedy continuations differ between prompts.
+    * ``hybrid_layer_pattern``: a hybrid (Mamba + attention) model, megatron-core's ``HybridModel``
+      (``MambaModel`` before 0.19) with megatron-ext's local layer spec, one symbol per layer
+      (Megatron-LM's ``--hybrid-override-pattern``): ``M`` Mamba, ``*`` self-attention, ``-``
+      MLP; e.g. ``"M*M"``. ``num_layers`` is the pattern's length (filled in; give it only if equal). None: a
+      GPT model. On the CPU it needs Triton's interpreter (:mod:`megatron_ext.cpu_backend.mamba`).
+    * Mamba sizes (hybrid models only; Megatron-LM's ``--mamba-*`` arguments):
+      ``mamba_state_dim`` (SSM state per head, ``d_state``), ``mamba_head_dim`` (channels per
+      Mamba head), ``mamba_num_groups`` (B/C groups), ``mamba_num_heads`` (None:
+      ``2 * hidden_size / mamba_head_dim``; Mamba width ``mamba_num_heads * mamba_head_dim``), ``mamba_chunk_size`` (the SSM scan's chunk,
+      ``MambaMixer(chunk_size=...)``; Mamba prefix-cache snapshots are taken at block boundaries
+      that are multiples of it), ``mamba_ssm_states_dtype`` (dtype of the inference SSM state and
+      its prefix-cache snapshots) and ``mamba_conv_states_dtype`` (of the inference conv state and
+      its snapshots); None: megatron-core's default, ``params_dtype`` (Megatron-LM's
+      ``--mamba-inference-*-states-dtype`` default to bf16 instead).
+    """
+
+    num_layers: int = Field(2, ge=1)
+    hidden_size: int = Field(64, ge=8)
+    num_attention_heads: int = Field(4, ge=1)
+    num_query_groups: Optional[int] = Field(None, ge=1)
+    kv_channels: Optional[int] = Field(None, ge=1)
+    ffn_hidden_size: Optional[int] = Field(None, ge=8)
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    norm_epsilon: float = Field(1e-5, gt=0)
+    qk_layernorm: bool = False
+    swiglu: bool = False
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    rotary_base: int = Field(10000, ge=1)
+    rotary_percent: float = Field(1.0, gt=0, le=1)
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    untie_embeddings_and_output_weights: bool = True
+    vocab_size: int = Field(BYTE_LEVEL_VOCAB_SIZE, ge=BYTE_LEVEL_VOCAB_SIZE)
+    max_position_embeddings: int = Field(1024, ge=16)
+    params_dtype: Literal["fp32", "bf16"] = "bf16"
+    seed: int = 1234
+    init_method_std: Optional[float] = Field(None, gt=0)
+    hybrid_layer_pattern: Optional[str] = None
+    mamba_state_dim: int = Field(16, ge=1)
+    mamba_head_dim: int = Field(16, ge=1)
+    mamba_num_groups: int = Field(1, ge=1)
+    mamba_num_heads: Optional[int] = Field(None, ge=1)
+    mamba_chunk_size: int = Field(128, ge=1)
+    mamba_ssm_states_dtype: Optional[Literal["fp32", "bf16"]] = None
+    mamba_conv_states_dtype: Optional[Literal["fp32", "bf16"]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hybrid_num_layers(cls, data: Any) -> Any:
+        # a hybrid model's layer count is its pattern's length: filled in when not given
+        if isinstance(data, dict) and isinstance(data.get("hybrid_layer_pattern"), str) and "num_layers" not in data:
+            data = {**data, "num_layers": max(1, len(data["hybrid_layer_pattern"]))}
+        return data
+
+    @model_validator(mode="after")
+    def _hybrid(self) -> "ModelSpec":
+        pattern = self.hybrid_layer_pattern
+        # set to a non-default value (a dumped GPT case lists every field at its default)
+        mamba_fields = sorted(f for f in self.model_fields_set if f.startswith("mamba_")
+                              and getattr(self, f) != type(self).model_fields[f].default)
+        if pattern is None:
+            if mamba_fields:
+                raise ValueError(f"{', '.join(mamba_fields)} {'applies' if len(mamba_fields) == 1 else 'apply'} "
+                                 "to hybrid models only; set "
+                                 "hybrid_layer_pattern (e.g. \"M*M\") or remove them")
+            return self
+        bad = sorted(set(pattern) - set(HYBRID_LAYER_SYMBOLS))
+        if not pattern or bad:
+            raise ValueError(f"hybrid_layer_pattern {pattern!r}: use one symbol per layer from "
+                             f"{', '.join(f'{k} ({v})' for k, v in HYBRID_LAYER_SYMBOLS.items())}"
+                             + (f"; {''.join(bad)!r} is not one" if bad else ""))
+        if "M" not in pattern:
+            raise ValueError(f"hybrid_layer_pattern {pattern!r} has no Mamba layer ('M'); "
+                             "for a model without Mamba layers drop hybrid_layer_pattern")
+        if self.num_layers != len(pattern):
+            raise ValueError(f"num_layers={self.num_layers} but hybrid_layer_pattern {pattern!r} has "
+                             f"{len(pattern)} layers; drop num_layers or make them agree")
+        if self.mamba_num_heads is None and (2 * self.hidden_size) % self.mamba_head_dim:
+            raise ValueError(f"mamba_head_dim={self.mamba_head_dim} must divide 2 * hidden_size = "
+                             f"{2 * self.hidden_size} (megatron-core's Mamba width), or set mamba_num_heads")
+        heads = self.effective_mamba_num_heads()
+        if heads % self.mamba_num_groups:
+            raise ValueError(f"mamba_num_groups={self.mamba_num_groups} must divide mamba_num_heads={heads}")
+        return self
+
+    @property
+    def is_hybrid(self) -> bool:
+        """A hybrid (Mamba + attention) model: ``hybrid_layer_pattern`` is set."""
+        return self.hybrid_layer_pattern is not None
+
+    def effective_mamba_num_heads(self) -> int:
+        """``mamba_num_heads``, or megatron-core's default ``2 * hidden_size // mamba_head_dim``
+        (then the Mamba width ``d_inner`` is ``2 * hidden_size``; else ``heads * mamba_head_dim``)."""
+        if self.mamba_num_heads is not None:
+            return self.mamba_num_heads
+        return 2 * self.hidden_size // self.mamba_head_dim
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ModelSpec":
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_query_groups={self.num_query_groups} must divide "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.effective_ffn_hidden_size() == 0:
+            raise ValueError(f"swiglu with hidden_size={self.hidden_size} gives Megatron-LM's default "
+                             "ffn_hidden_size 0; set ffn_hidden_size")
+        return self
+
+    def effective_ffn_hidden_size(self) -> Optional[int]:
+        """``ffn_hidden_size`` as Megatron-LM sets it when not given: with ``swiglu``
+        ``int(4 * hidden_size * 2 / 3 / 64) * 64``; otherwise None (megatron-core's
+        ``4 * hidden_size``)."""
+        if self.ffn_hidden_size is not None or not self.swiglu:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64
+
+
+class InferenceSpec(_Strict):
+    """Fields passed to megatron-core's ``InferenceConfig`` (same names)."""
+
+    block_size_tokens: int = Field(16, ge=1)
+    buffer_size_gb: float = Field(0.004, gt=0)
+    max_requests: int = Field(16, ge=1)
+    max_tokens: int = Field(512, ge=2)
+    max_sequence_length: int = Field(512, ge=2)
+    enable_chunked_prefill: bool = False
+    #: hybrid models: memory for the Mamba state snapshots prefix caching restores (GiB; None:
+    #: megatron-core's default, no Mamba prefix cache, so a hybrid model's prompts never skip prefill)
+    prefix_caching_mamba_gb: Optional[float] = Field(None, gt=0)
+
+
+class SamplingSpec(_Strict):
+    """Sampling for every request. Greedy (top_k=1) by default, so outputs are deterministic."""
+
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(1, ge=0)
+    top_p: float = Field(0.0, ge=0, le=1)
+    #: megatron-core's ``SamplingParams.top_n_logprobs``: record and compare, bit for bit, the
+    #: top-n log-probs of every generated token (0: off)
+    top_n_logprobs: int = Field(0, ge=0)
+
+
+class RequestSpec(_Strict):
+    """One prompt (``samples`` copies) or one multi-turn ``conversation``.
+
+    A conversation ``[u1, a1, u2, a2, u3]`` becomes requests whose prompts are ``u1``,
+    ``u1+a1+u2``, ``u1+a1+u2+a2+u3``: each turn's prompt is the previous prompt + reply + a new
+    message. Turn k arrives at ``arrival_step + k * turn_interval``.
+    """
+
+    prompt: Optional[str] = None
+    prefix: str = ""
+    conversation: Optional[list[str]] = Field(None, min_length=1)
+    turn_interval: int = Field(2, ge=0)
+    samples: int = Field(1, ge=1)
+    arrival_step: int = Field(0, ge=0)
+    num_tokens_to_generate: int = Field(8, ge=1)
+    #: the round (weight version) the request belongs to: 0 before the first weight update, k after
+    #: update k; its ``arrival_step`` counts from the round's start (:class:`WeightUpdateSpec`)
+    round: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RequestSpec":
+        if (self.prompt is None) == (self.conversation is None):
+            raise ValueError("give exactly one of 'prompt' or 'conversation'")
+        if self.prefix == "" and self.prompt == "":
+            raise ValueError("empty prompt: 'prompt' and 'prefix' are both empty, so the request has 0 "
+                             "tokens and megatron-core cannot prefill it; write at least one character "
+                             "in 'prompt'")
+        if self.prefix == "" and self.conversation is not None and self.conversation[0] == "":
+            raise ValueError("empty prompt: the first turn 'conversation.0' is empty and there is no "
+                             "'prefix', so turn 0 has 0 tokens and megatron-core cannot prefill it; "
+                             "write at least one character in 'conversation.0'")
+        return self
+
+
+#: ``kv_cache_management_mode`` values that run on the CPU backend, and why the others cannot.
+CPU_KV_CACHE_MODES = ("persist", "offload", "recompute")
+
+#: Fields of :class:`WeightUpdateSpec` that only one update kind (or only suspend/resume) uses.
+_FIELDS_OF_KIND = {"optimizer": "train_step", "learning_rate": "train_step", "perturb_scale": "perturb",
+                   "checkpoints": "checkpoint"}
+
+
+class WeightUpdateSpec(_Strict):
+    """Weight updates between rounds of requests (the training-to-inference loop of an RL job).
+
+    The run is split into rounds: round 0 starts at engine step 0, round ``k`` at
+    ``update_at_steps[k-1]``, where the harness updates the weights before it adds that step's
+    arrivals. A request's ``round`` picks its round and its ``arrival_step`` counts from that
+    round's start. Requests of an earlier round that are still running at an update keep running
+    across it (partial rollouts). Steps are the harness's loop iterations (idle ones included), so
+    caching off (A) and on (B) update at the same step.
+
+    * ``kind``: ``train_step`` (one optimizer step of the same GPTModel on the previous round's
+      finished requests, prompt + generated tokens of that run), ``perturb`` (seeded Gaussian noise
+      of standard deviation ``perturb_scale`` added to every parameter through ``.data``, as a weight
+      refit writes) or ``checkpoint`` (the next of ``checkpoints``, or ``ab --update-from DIR``,
+      loaded into the model).
+    * ``suspend_resume``: ``engine.suspend()`` before the update and ``engine.resume()`` after,
+      with the engine's ``kv_cache_management_mode`` (``persist``, Megatron-LM RL's default,
+      ``offload`` or ``recompute``); otherwise the harness calls
+      ``megatron_ext.invalidate_prefix_cache(engine)`` after the update, as a loop without
+      suspend/resume must.
+    * ``optimizer`` (``sgd`` or ``adam``), ``learning_rate``: the training step's; ``seed``: of the
+      perturbation and of the training step's dropout (update ``k`` uses ``seed + k``).
+    """
+
+    kind: Literal["train_step", "perturb", "checkpoint"]
+    update_at_steps: list[int] = Field(min_length=1)
+    suspend_resume: bool = False
+    kv_cache_management_mode: str = "persist"
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    learning_rate: float = Field(0.01, gt=0)
+    perturb_scale: float = Field(0.01, gt=0)
+    seed: int = 0
+    checkpoints: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "WeightUpdateSpec":
+        steps = self.update_at_steps
+        if steps[0] < 1 or any(b <= a for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"update_at_steps {steps} must be engine steps >= 1 in increasing order")
+        for name, kind in _FIELDS_OF_KIND.items():
+            if name in self.model_fields_set and self.kind != kind:
+                raise ValueError(f"'{name}' applies to kind {kind} only, this update is kind {self.kind}; "
+                                 "remove it")
+        if "kv_cache_management_mode" in self.model_fields_set and not self.suspend_resume:
+            raise ValueError("'kv_cache_management_mode' is the engine's mode across suspend()/resume(); "
+                             "set suspend_resume: true or remove it")
+        if self.kv_cache_management_mode not in CPU_KV_CACHE_MODES:
+            raise ValueError(f"kv_cache_management_mode '{self.kv_cache_management_mode}' is not one of "
+                             f"megatron-core's modes that run here: {', '.join(CPU_KV_CACHE_MODES)}")
+        if self.kind == "checkpoint" and self.checkpoints and len(self.checkpoints) not in (1, len(steps)):
+            raise ValueError(f"{len(self.checkpoints)} checkpoints for {len(steps)} updates; give one (loaded "
+                             "at every update) or one per update")
+        return self
+
+    @property
+    def rounds(self) -> int:
+        """Rounds of requests: one more than the updates."""
+        return len(self.update_at_steps) + 1
+
+    def round_start(self, round_index: int) -> int:
+        """Engine step at which round ``round_index`` starts (0 for round 0)."""
+        return 0 if round_index == 0 else self.update_at_steps[round_index - 1]
+
+
+class Expectations(_Strict):
+    """What ``ab`` checks beyond the audits."""
+
+    bit_identical: bool = True
+    min_blocks_matched: int = Field(0, ge=0)
+    min_prefill_tokens_skipped: int = Field(0, ge=0)
+    #: a request in flight at a weight update that had generated another number of tokens with
+    #: caching on than off (megatron-core schedules the two differently, e.g. it defers a request
+    #: whose prefix a same-step sibling computes), so the new weights start at another token of it:
+    #: ``fail`` the case (designed cases: move the update or the arrivals), or ``exclude`` that
+    #: request from the bit-identity check (generated workloads, ``soak --update-every``)
+    update_timing: Literal["fail", "exclude"] = "fail"
+
+
+class Case(_Strict):
+    """A whole case file."""
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    model: ModelSpec = ModelSpec()
+    inference: InferenceSpec = InferenceSpec()
+    prefix_caching_eviction_policies: list[Literal["ref_zero", "lru"]] = Field(
+        default_factory=lambda: ["ref_zero"], min_length=1
+    )
+    sampling: SamplingSpec = SamplingSpec()
+    requests: list[RequestSpec] = Field(min_length=1)
+    expectations: Expectations = Expectations()
+    weight_updates: Optional[WeightUpdateSpec] = None
+
+    @model_validator(mode="after")
+    def _rounds(self) -> "Case":
+        updates = self.weight_updates
+        rounds = 1 if updates is None else updates.rounds
+        for index, spec in enumerate(self.requests):
+            if spec.round >= rounds:
+                fix = ("add a weight_updates section" if updates is None
+                       else "add an update to weight_updates.update_at_steps or lower 'round'")
+                raise ValueError(f"requests.{index}.round is {spec.round} but the case has {rounds} round(s) "
+                                 f"(0 to {rounds - 1}); {fix}")
+            if updates is None or spec.round == rounds - 1:
+                continue
+            last = updates.round_start(spec.round) + spec.arrival_step + spec.turn_interval * (len(turn_prompts(spec)) - 1)
+            end = updates.update_at_steps[spec.round]
+            if last >= end:
+                raise ValueError(f"requests.{index} (round {spec.round}) arrives at engine step {last}, not before "
+                                 f"the update at step {end} that ends its round; lower its arrival_step "
+                                 f"(it counts from the round's start) or give it round {spec.round + 1}")
+        if updates is not None and all(spec.round < rounds - 1 for spec in self.requests):
+            raise ValueError(f"no request is in the last round ({rounds - 1}), so the update at step "
+                             f"{updates.update_at_steps[-1]} may come after every request finished; give a "
+                             f"request 'round: {rounds - 1}' or drop that update")
+        return self
+
+
+def turn_prompts(spec: RequestSpec) -> list[str]:
+    """The prompt text of each turn (one for a ``prompt``), without the ``prefix``."""
+    if spec.prompt is not None:
+        return [spec.prompt]
+    turns, history = [], ""
+    for k in range(0, len(spec.conversation), 2):
+        history += spec.conversation[k]
+        turns.append(history)
+        if k + 1 < len(spec.conversation):
+            history += spec.conversation[k + 1]
+    return turns
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """``field 'requests.0.samples': <pydantic's message>; ...`` for every error in ``exc``."""
+    return "; ".join(
+        f"field '{'.'.join(str(p) for p in err['loc']) or '<top>'}': {err['msg']}"
+        for err in exc.errors()
+    )
