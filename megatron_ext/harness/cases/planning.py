@@ -7,7 +7,7 @@ from typing import Optional
 
 from ...errors import MegatronExtError
 from ..tokenizer import Tokenizer
-from .schema import Case, CaseFileError, InferenceSpec, _Strict, turn_prompts
+from .schema import Case, CaseFileError, InferenceSpec, StrictModel, turn_prompts
 
 
 class WorkloadError(MegatronExtError, ValueError):
@@ -15,7 +15,7 @@ class WorkloadError(MegatronExtError, ValueError):
     ID used twice (the message names the list index and the request ID)."""
 
 
-class PlannedRequest(_Strict):
+class PlannedRequest(StrictModel):
     """One engine request after expanding samples and conversations."""
 
     request_id: int

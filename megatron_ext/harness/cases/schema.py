@@ -19,7 +19,10 @@ class CaseFileError(MegatronExtError, ValueError):
     """A case file is missing, not YAML, or has a bad field (the message names the field)."""
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """Base of every case model: unknown keys are an error (a misspelt key is not ignored), and
+    a loaded case is frozen."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -27,7 +30,7 @@ class _Strict(BaseModel):
 HYBRID_LAYER_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP"}
 
 
-class ModelSpec(_Strict):
+class ModelSpec(StrictModel):
     """A GPT model with megatron-core's local layer spec; weights are seeded random unless loaded.
 
     Field names are Megatron-LM's training arguments; the defaults are megatron-ext's small GPT
@@ -174,7 +177,7 @@ class ModelSpec(_Strict):
         return int(4 * self.hidden_size * 2 / 3 / 64) * 64
 
 
-class InferenceSpec(_Strict):
+class InferenceSpec(StrictModel):
     """Fields passed to megatron-core's ``InferenceConfig`` (same names)."""
 
     block_size_tokens: int = Field(16, ge=1)
@@ -188,7 +191,7 @@ class InferenceSpec(_Strict):
     prefix_caching_mamba_gb: Optional[float] = Field(None, gt=0)
 
 
-class SamplingSpec(_Strict):
+class SamplingSpec(StrictModel):
     """Sampling for every request. Greedy (top_k=1) by default, so outputs are deterministic."""
 
     temperature: float = Field(1.0, gt=0)
@@ -199,7 +202,7 @@ class SamplingSpec(_Strict):
     top_n_logprobs: int = Field(0, ge=0)
 
 
-class RequestSpec(_Strict):
+class RequestSpec(StrictModel):
     """One prompt (``samples`` copies) or one multi-turn ``conversation``.
 
     A conversation ``[u1, a1, u2, a2, u3]`` becomes requests whose prompts are ``u1``,
@@ -241,7 +244,7 @@ _FIELDS_OF_KIND = {"optimizer": "train_step", "learning_rate": "train_step", "pe
                    "checkpoints": "checkpoint"}
 
 
-class WeightUpdateSpec(_Strict):
+class WeightUpdateSpec(StrictModel):
     """Weight updates between rounds of requests (the training-to-inference loop of an RL job).
 
     The run is split into rounds: round 0 starts at engine step 0, round ``k`` at
@@ -305,7 +308,7 @@ class WeightUpdateSpec(_Strict):
         return 0 if round_index == 0 else self.update_at_steps[round_index - 1]
 
 
-class Expectations(_Strict):
+class Expectations(StrictModel):
     """What ``ab`` checks beyond the audits."""
 
     bit_identical: bool = True
@@ -319,7 +322,7 @@ class Expectations(_Strict):
     update_timing: Literal["fail", "exclude"] = "fail"
 
 
-class Case(_Strict):
+class Case(StrictModel):
     """A whole case file."""
 
     name: str = Field(min_length=1)
