@@ -286,25 +286,22 @@ def mamba_on_cpu() -> Iterator[None]:
     ready, why = triton_interpreter_ready()
     if not ready:
         raise RuntimeError(why)
-    added: list[str] = []
     swap = AttributeSwap()
-    try:
-        _install_extension_standins(added)
-        _check_mamba_packages()
-        already = sys.modules.get(MAMBA_MIXER_MODULE)
-        if already is not None and not getattr(already, "HAVE_MAMBA_SSM", False):
-            raise RuntimeError(
-                f"{MAMBA_MIXER_MODULE} was imported before mamba_on_cpu() (without mamba_ssm: its "
-                "gated RMSNorm is a MagicMock); import megatron_ext.cpu_backend before importing "
-                "megatron-core's Mamba / hybrid model modules or applying megatron-ext's patches")
-        mixer = mcore.import_module(MAMBA_MIXER_MODULE)
-        for name, standin in HELPER_STANDINS.items():
-            if hasattr(mixer, name):
-                swap.set(mixer, name, standin)
-        interpreter = importlib.import_module(TRITON_INTERPRETER_MODULE)
-        swap.set(interpreter, "_patch_lang_tensor", _wrap_patch_lang_tensor(interpreter._patch_lang_tensor))
-        yield
-    finally:
-        swap.restore()
-        for name in added:
-            sys.modules.pop(name, None)
+    with extension_standins():
+        try:
+            _check_mamba_packages()
+            already = sys.modules.get(MAMBA_MIXER_MODULE)
+            if already is not None and not getattr(already, "HAVE_MAMBA_SSM", False):
+                raise RuntimeError(
+                    f"{MAMBA_MIXER_MODULE} was imported before mamba_on_cpu() (without mamba_ssm: its "
+                    "gated RMSNorm is a MagicMock); import megatron_ext.cpu_backend before importing "
+                    "megatron-core's Mamba / hybrid model modules or applying megatron-ext's patches")
+            mixer = mcore.import_module(MAMBA_MIXER_MODULE)
+            for name, standin in HELPER_STANDINS.items():
+                if hasattr(mixer, name):
+                    swap.set(mixer, name, standin)
+            interpreter = importlib.import_module(TRITON_INTERPRETER_MODULE)
+            swap.set(interpreter, "_patch_lang_tensor", _wrap_patch_lang_tensor(interpreter._patch_lang_tensor))
+            yield
+        finally:
+            swap.restore()
