@@ -131,11 +131,11 @@ def _ab_inputs(args: argparse.Namespace) -> tuple[RunInputs, Optional[Checkpoint
 def _rank_failed(exc: BaseException, log: Optional[Path]) -> bool:
     """Under several ranks, an exception other than megatron-ext's own (or Ctrl-C) ends this rank:
     print it with the rank named (and where its library log is) and say so; else False (re-raise)."""
-    from .harness.distributed import RankFailedError
-
     rank, world_size = torchrun_world()
     if world_size == 1 or not isinstance(exc, Exception) or isinstance(exc, MegatronExtError):
         return False
+    from .harness.distributed import RankFailedError
+
     where = f" (megatron-core / torch / gloo output of this rank: {log})" if log else ""
     if isinstance(exc, RankFailedError):  # names the rank already
         print(f"megatron-ext ab: {exc}{where}", file=sys.stderr, flush=True)
