@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
-import os
 import signal
 import sys
 import traceback
@@ -18,8 +16,13 @@ from rich.table import Table
 from . import mcore
 from .console import CtrlC, LibraryOutput, RunProgress, library_output, log_path, report_console, settle_log
 from .errors import MegatronExtError
+from .harness.launch import torchrun_world
 
-if TYPE_CHECKING:  # patching imports wrapt: `megatron-ext --help` and argument errors need neither
+if TYPE_CHECKING:  # these import wrapt, torch or megatron-core: `megatron-ext --help` and argument errors need none
+    from .harness.ab import ABResult
+    from .harness.checkpoint import CheckpointSource
+    from .harness.megatron_case import MegatronCase
+    from .harness.run_inputs import RunInputs
     from .patching import PatchResult
 
 #: The narrowest report: below it rich folds every cell and the verdict into slivers.
@@ -72,184 +75,97 @@ def cmd_ab(args: argparse.Namespace) -> int:
     """Run a case with prefix caching off and on; exit 0 only if bit-identical and audit-clean."""
     from .harness.ab import run_ab
     from .harness.cases import shipped_cases
-    from .harness.distributed import RankFailedError, describe_layout
-    from .harness.report import print_report, write_plot
 
     if args.list_cases:
         print("\n".join(shipped_cases()))
         return 0
+    inputs, checkpoint, update_from = _ab_inputs(args)
+    rank = torchrun_world()[0]
+    log = _library_log(args, "ab")
+    try:
+        with library_output(log) as output, _progress(args, inputs.case.name, output, rank) as progress:
+            result = run_ab(inputs.case, patched=not args.unpatched, device=args.device,
+                            on_step=progress.on_step, on_run=progress.on_run,
+                            tensor_model_parallel_size=inputs.tensor_model_parallel_size,
+                            pipeline_model_parallel_size=inputs.pipeline_model_parallel_size,
+                            load=checkpoint, tokenizer=inputs.tokenizer, update_from=update_from,
+                            trainer_logprobs=args.trainer_logprobs)
+    except BaseException as exc:  # noqa: BLE001 - keep the log; multi-rank: name the rank, exit non-zero
+        if _rank_failed(exc, log):
+            return 1
+        _keep_log_after_error(log, args.keep_log)
+        raise
+    _report_ab(args, result, output, rank)
+    return result.exit_code()
+
+
+def _ab_inputs(args: argparse.Namespace) -> tuple[RunInputs, Optional[CheckpointSource], list[CheckpointSource]]:
+    """What ``ab`` runs, checked before the model or any engine is built, cheapest first: the
+    ``--trainer-logprobs`` mode, the launch, the output files, the case, tokenizer and prompts,
+    Triton's environment for a hybrid case, the checkpoints. Rank 0 prints how a Megatron case mapped.
+
+    Raises:
+        MegatronExtError: the subclass of the first check that fails (one line, exit 2).
+    """
+    from .harness.launch import check_device, check_layout
+    from .harness.output_files import check_output_files
+    from .harness.run_inputs import read_case, resolve_checkpoints, resolve_requests
+    from .harness.triton_env import ensure_hybrid_cpu_environment
+
     if args.trainer_logprobs is not None:  # a bad mode is refused before anything else
         from .harness.trainer_logprobs import check_mode
 
         check_mode(args.trainer_logprobs)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    rank, world_size = _world()
-    if not _layout_fits(tp, pp, "ab"):
-        return 2
-    if world_size > 1 and args.device != "cpu":
-        print("megatron-ext: error: multi-rank ab runs CPU ranks over gloo; --device cuda is "
-              "single-rank only", file=sys.stderr)
-        return 2
-    if not _outputs_writable({"--json": args.json, "--plot": args.plot}) or not _plot_possible(args.plot):
-        return 2
-    case, megatron_case = _ab_case(args)
-    if megatron_case is not None:  # the file's layout where it gives one, else the command line's
-        tp = megatron_case.tensor_model_parallel_size or tp
-        pp = megatron_case.pipeline_model_parallel_size or pp
-        if not _layout_fits(tp, pp, "ab"):
-            return 2
-        args.load = args.load or megatron_case.load
-        if rank == 0:
-            _print_megatron_mapping(megatron_case)
-    tokenizer = _tokenizer(args)
-    if tokenizer is not None and args.load is None:  # with --load the model may come from the checkpoint's args: run_ab checks
-        from .harness.tokenizer import check_vocab_fits
+    check_layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, "ab")
+    check_device(args.device)
+    check_output_files({"--json": args.json, "--plot": args.plot})
+    inputs = read_case(args.case, args.device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                       args.load, args.tokenizer, args.tokenizer_library)
+    if inputs.megatron_case is not None and torchrun_world()[0] == 0:
+        _print_megatron_mapping(inputs.megatron_case)
+    inputs = resolve_requests(inputs, args.prompts, args.samples, args.num_tokens_to_generate, args.top_n_logprobs)
+    ensure_hybrid_cpu_environment(inputs.case, args.device, getattr(args, "program", False))
+    return (inputs, *resolve_checkpoints(inputs.case, inputs.load, args.update_from))
 
-        check_vocab_fits(tokenizer, case.model.vocab_size, f"case {case.name}")
-    if args.prompts is not None:
-        from .harness.prompts import prompts_case
 
-        case = prompts_case(case, Path(args.prompts), args.samples or 1, args.num_tokens_to_generate,
-                            tokenizer)
-    elif args.samples is not None or args.num_tokens_to_generate is not None:
-        print("megatron-ext: error: --samples and --num-tokens-to-generate apply to --prompts FILE; "
-              "with a case file, set 'samples' and 'num_tokens_to_generate' per request in it", file=sys.stderr)
-        return 2
-    if args.top_n_logprobs is not None:
-        case = case.model_copy(update={"sampling": case.sampling.model_copy(
-            update={"top_n_logprobs": args.top_n_logprobs})})
-    _hybrid_cpu_environment(case, args.device, getattr(args, "program", False))
-    checkpoint = None
-    if args.load is not None:  # a bad path fails here, before the model or any engine is built
-        from .harness.checkpoint import resolve_checkpoint
+def _rank_failed(exc: BaseException, log: Optional[Path]) -> bool:
+    """Under several ranks, an exception other than megatron-ext's own (or Ctrl-C) ends this rank:
+    print it with the rank named (and where its library log is) and say so; else False (re-raise)."""
+    rank, world_size = torchrun_world()
+    if world_size == 1 or not isinstance(exc, Exception) or isinstance(exc, MegatronExtError):
+        return False
+    from .harness.distributed import RankFailedError
 
-        checkpoint = resolve_checkpoint(args.load)
-    update_from = []
-    if args.update_from:  # bad paths (or a case without checkpoint updates) fail before any engine
-        from .harness.ab import update_checkpoints
-        from .harness.checkpoint import CheckpointError, resolve_checkpoint
+    where = f" (megatron-core / torch / gloo output of this rank: {log})" if log else ""
+    if isinstance(exc, RankFailedError):  # names the rank already
+        print(f"megatron-ext ab: {exc}{where}", file=sys.stderr, flush=True)
+    else:
+        traceback.print_exc()
+        print(f"megatron-ext ab: rank {rank} of {world_size} failed: {type(exc).__name__}: {exc}"
+              f"{where}", file=sys.stderr, flush=True)
+    return True
 
-        try:
-            sources = [resolve_checkpoint(path) for path in args.update_from]
-        except CheckpointError as exc:  # its message names --load, the flag it usually checks
-            raise CheckpointError(str(exc).replace("--load ", "--update-from ", 1)) from None
-        update_from = update_checkpoints(case, sources)
-    log = _library_log(args, "ab")
-    try:
-        with library_output(log) as output, _progress(args, case.name, output, rank) as progress:
-            result = run_ab(case, patched=not args.unpatched, device=args.device,
-                            on_step=progress.on_step, on_run=progress.on_run,
-                            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            load=checkpoint, tokenizer=tokenizer, update_from=update_from,
-                            trainer_logprobs=args.trainer_logprobs)
-    except BaseException as exc:  # noqa: BLE001 - keep the log; multi-rank: name the rank, exit non-zero
-        if world_size == 1 or not isinstance(exc, Exception) or isinstance(exc, MegatronExtError):
-            _keep_log_after_error(log, args.keep_log)
-            raise
-        where = f" (megatron-core / torch / gloo output of this rank: {log})" if log else ""
-        if isinstance(exc, RankFailedError):  # names the rank already
-            print(f"megatron-ext ab: {exc}{where}", file=sys.stderr, flush=True)
-        else:
-            traceback.print_exc()
-            print(f"megatron-ext ab: rank {rank} of {world_size} failed: {type(exc).__name__}: {exc}"
-                  f"{where}", file=sys.stderr, flush=True)
-        return 1
-    passed = result.exit_code() == 0
-    if rank != 0:  # rank 0 reports for every rank (and keeps its log after a failure); a raising rank kept its own
+
+def _report_ab(args: argparse.Namespace, result: ABResult, output: LibraryOutput, rank: int) -> None:
+    """Rank 0 reports for every rank (and writes ``--json`` / ``--plot``, and keeps its log after a
+    failure); the other ranks settle their own logs (a raising rank kept its own)."""
+    from .harness.distributed import describe_layout
+    from .harness.report import print_report, write_plot
+
+    if rank != 0:
         output.settle(passed=True, keep=args.keep_log)
-    if rank == 0:
-        console = report_console(args.width)
-        if world_size > 1:
-            console.print(describe_layout(result.ranks))
-        print_report(result, console, notes=_log_notes(output, passed, args.keep_log))
-        if args.json:
-            Path(args.json).write_text(json.dumps(result.as_json(), indent=2))
-        if args.plot:
-            write_plot(result, Path(args.plot))
-    return result.exit_code()
-
-
-#: Set in the environment of the process ``_hybrid_cpu_environment`` re-executes (against a loop).
-TRITON_REEXEC_ENV = "MEGATRON_EXT_TRITON_REEXEC"
-
-#: Modules that read ``TRITON_INTERPRET`` / ``MAMBA_DETERMINISTIC`` when they are imported.
-_TRITON_ENV_READERS = ("triton", "mamba_ssm", "megatron.core.ssm")
-
-
-def _hybrid_cpu_environment(case: Any, device: str, program: bool) -> None:
-    """A hybrid case on the CPU backend needs ``TRITON_INTERPRET=1 MAMBA_DETERMINISTIC=1``
-    (:data:`megatron_ext.cpu_backend.mamba.TRITON_CPU_ENV`) before Triton and the Mamba kernel
-    modules are imported; the command sets them itself. Nothing of the kind is imported yet (the
-    usual case: the command has only read its case): set here, for this process. Otherwise, when
-    this process is the ``megatron-ext`` program (``program``), it re-executes itself once with them
-    (``os.execv``; the marker ``MEGATRON_EXT_TRITON_REEXEC`` stops a loop). A command called
-    in-process (``main(argv)``) never changes the environment: its caller must set them.
-
-    Raises:
-        MegatronExtError: they are missing, Triton is already imported and this process cannot
-            re-execute itself (called in-process, or already re-executed once).
-    """
-    if not case.model.is_hybrid or device != "cpu":
         return
-    from .cpu_backend.mamba import TRITON_CPU_ENV
-
-    missing = {k: v for k, v in TRITON_CPU_ENV.items() if os.environ.get(k) != v}
-    if not missing or not program:
-        return  # in-process: mamba_on_cpu refuses with the variables named
-    if not _triton_env_read():
-        os.environ.update(missing)
-        return
-    if os.environ.get(TRITON_REEXEC_ENV) != "1":
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.environ.update({**missing, TRITON_REEXEC_ENV: "1"})
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-    raise MegatronExtError("hybrid case on the CPU: Triton was imported before megatron-ext could set "
-                           + " ".join(f"{k}={v}" for k, v in missing.items())
-                           + "; set them in the environment before Python starts")
+    console = report_console(args.width)
+    if torchrun_world()[1] > 1:
+        console.print(describe_layout(result.ranks))
+    print_report(result, console, notes=_log_notes(output, result.exit_code() == 0, args.keep_log))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.as_json(), indent=2))
+    if args.plot:
+        write_plot(result, Path(args.plot))
 
 
-def _triton_env_read() -> bool:
-    """Whether a module that reads the Triton / Mamba variables at import is imported already."""
-    return any(name == reader or name.startswith(reader + ".")
-               for name in list(sys.modules) for reader in _TRITON_ENV_READERS)
-
-
-def _tokenizer(args: argparse.Namespace):
-    """The tokenizer of ``--tokenizer PATH [--tokenizer-library LIB]``, or None for the default.
-
-    Loaded before any engine is built, so a bad path or a missing library fails at once.
-
-    Raises:
-        MegatronExtError: ``--tokenizer-library`` without ``--tokenizer``; TokenizerError (see
-            :func:`megatron_ext.harness.tokenizer.load_tokenizer`).
-    """
-    if args.tokenizer is None:
-        if args.tokenizer_library is not None:
-            raise MegatronExtError("--tokenizer-library names the library of --tokenizer PATH; pass --tokenizer too")
-        return None
-    from .harness.tokenizer import load_tokenizer
-
-    return load_tokenizer(args.tokenizer, args.tokenizer_library)
-
-
-def _ab_case(args: argparse.Namespace):
-    """The case of ``ab --case``: a shipped name, a case file, or a Megatron ``model_config.yaml``
-    (then also its :class:`MegatronCase`, else None)."""
-    from .harness.cases import CaseFileError, load_case
-    from .harness.megatron_case import is_megatron_case_file, load_megatron_case, megatron_tokenizer
-
-    if not is_megatron_case_file(args.case):
-        return load_case(args.case), None
-    megatron_case = load_megatron_case(Path(args.case), args.device, load_given=args.load is not None)
-    if megatron_case.tokenizer is not None and args.tokenizer is None:  # ab --tokenizer wins
-        args.tokenizer, args.tokenizer_library = megatron_tokenizer(megatron_case.tokenizer, args.case)
-    if megatron_case.use_checkpoint_args and not (args.load or megatron_case.load):
-        raise CaseFileError(f"{args.case}: --use-checkpoint-args without --load: give the checkpoint (ab --load DIR)")
-    return megatron_case.case, megatron_case
-
-
-def _print_megatron_mapping(megatron_case) -> None:
+def _print_megatron_mapping(megatron_case: MegatronCase) -> None:
     """The Megatron arguments ab ignored, and the mappings whose meaning differs, once each."""
     for arg, how in megatron_case.notes:
         print(f"megatron case: {arg}: {how}")
@@ -260,7 +176,7 @@ def _print_megatron_mapping(megatron_case) -> None:
 def _library_log(args: argparse.Namespace, command: str) -> Optional[Path]:
     """Where megatron-core's, torch's and gloo's own output goes: a log file, or inline (``None``)
     with ``--verbose``."""
-    return None if args.verbose else log_path(command, _world()[0])
+    return None if args.verbose else log_path(command, torchrun_world()[0])
 
 
 @contextlib.contextmanager
@@ -290,40 +206,6 @@ def _keep_log_after_error(log: Optional[Path], keep: bool) -> None:
         print(line, flush=True)
 
 
-def _outputs_writable(outputs: dict[str, Any]) -> bool:
-    """Whether every given output file's directory exists and is writable; prints the fix on
-    stderr when not. Checked before a run, so a long run's results are not lost at the end."""
-    for flag, path in outputs.items():
-        if path is None:
-            continue
-        target = Path(path).expanduser().resolve()
-        if target.is_dir():
-            print(f"megatron-ext: error: {flag} {path} is a directory; pass a file path", file=sys.stderr)
-            return False
-        directory = target.parent
-        if not directory.is_dir() or not os.access(directory, os.W_OK):
-            print(f"megatron-ext: error: {flag} {path}: directory {directory} does not exist or is "
-                  "not writable; create it or choose another path", file=sys.stderr)
-            return False
-    return True
-
-
-def _world() -> tuple[int, int]:
-    """``(RANK, WORLD_SIZE)`` as torchrun sets them; ``(0, 1)`` without torchrun."""
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _layout_fits(tp: int, pp: int, command: str) -> bool:
-    """Whether TP x PP equals the number of ranks; prints the fix on stderr when it does not."""
-    world_size = _world()[1]
-    if tp < 1 or pp < 1 or tp * pp != world_size:
-        print(f"megatron-ext: error: --tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
-              f"{pp} needs {tp * pp} ranks, but WORLD_SIZE is {world_size}; launch with "
-              f"'torchrun --nproc-per-node {max(tp * pp, 1)} -m megatron_ext {command} ...'", file=sys.stderr)
-        return False
-    return True
-
-
 def cmd_save_checkpoint(args: argparse.Namespace) -> int:
     """Save the case's seeded model as a megatron-core distributed checkpoint (torch_dist) in
     Megatron-LM's layout (``DIR/iter_NNNNNNN`` + ``latest_checkpointed_iteration.txt``), with
@@ -337,12 +219,13 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
     from .harness.checkpoint import save_megatron_lm_checkpoint
     from .harness.checkpoint_args import megatron_lm_args
     from .harness.engine import build_model, ensure_model_parallel, padded_vocab_size
+    from .harness.launch import check_layout
+    from .harness.triton_env import ensure_hybrid_cpu_environment
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if not _layout_fits(tp, pp, "save-checkpoint"):
-        return 2
+    check_layout(tp, pp, "save-checkpoint")
     case = load_case(args.case)
-    _hybrid_cpu_environment(case, "cpu", getattr(args, "program", False))
+    ensure_hybrid_cpu_environment(case, "cpu", getattr(args, "program", False))
     if args.seed is not None:
         case = case.model_copy(update={"model": case.model.model_copy(update={"seed": args.seed})})
     training_args = megatron_lm_args(case.model, padded_vocab_size(case.model.vocab_size, tp), tp, pp)
@@ -355,7 +238,7 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
     except BaseException:
         _keep_log_after_error(log, args.keep_log)
         raise
-    if _world()[0] == 0:
+    if torchrun_world()[0] == 0:
         for note in _log_notes(output, True, args.keep_log):
             print(note)
         print(f"saved the model of case '{case.name}' (seed {case.model.seed}, "
@@ -371,13 +254,15 @@ def cmd_soak(args: argparse.Namespace) -> int:
     exit codes as ``ab``."""
     from .harness.ab import run_ab
     from .harness.cases import dump_case
+    from .harness.output_files import check_output_files
     from .harness.report import print_report
+    from .harness.run_inputs import resolve_tokenizer
     from .harness.soak import soak_case, soak_summary
+    from .harness.triton_env import ensure_hybrid_cpu_environment
 
-    if not _outputs_writable({"--json": args.json, "--dump-case": args.dump_case}):
-        return 2
+    check_output_files({"--json": args.json, "--dump-case": args.dump_case})
     policies = list(dict.fromkeys(args.policy or ("ref_zero", "lru")))  # a repeated --policy runs once
-    tokenizer = _tokenizer(args)
+    tokenizer = resolve_tokenizer(args.tokenizer, args.tokenizer_library)
     case = soak_case(args.requests, args.seed, policies, chunked_prefill=not args.no_chunked_prefill,
                      update_every=args.update_every, hybrid=args.hybrid)
     if tokenizer is not None and tokenizer.vocab_size > case.model.vocab_size:
@@ -388,7 +273,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
         case = case.model_copy(update={"model": case.model.model_copy(update={"vocab_size": tokenizer.vocab_size})})
     if args.dump_case:
         Path(args.dump_case).write_text(dump_case(case))
-    _hybrid_cpu_environment(case, "cpu", getattr(args, "program", False))
+    ensure_hybrid_cpu_environment(case, "cpu", getattr(args, "program", False))
     log = _library_log(args, "soak")
     try:
         with library_output(log) as output, _progress(args, case.name, output) as progress:
@@ -422,10 +307,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     Exit 0 if every compared pair is bit-identical, 1 if any request differs, 2 bad input.
     """
     from .harness.recorded import compare_recorded, pair_runs
+    from .harness.output_files import check_output_files
     from .harness.report import print_comparison, write_diff_plot
 
-    if not _outputs_writable({"--json": args.json, "--plot": args.plot}) or not _plot_possible(args.plot):
-        return 2
+    check_output_files({"--json": args.json, "--plot": args.plot})
     comparisons = [compare_recorded(a, b) for a, b in pair_runs(args.a, args.b)]
     identical = all(c.bit_identical for c in comparisons)
     if args.json:
@@ -435,26 +320,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
         write_diff_plot([(f"{c.a.name} vs {c.b.name}", c.diffs, c.b.outputs) for c in comparisons], Path(args.plot))
     print_comparison(comparisons, report_console(args.width), only_divergent=args.only_divergent)
     return 0 if identical else 1
-
-
-def _plot_possible(plot: Optional[str]) -> bool:
-    """Whether ``--plot`` can be honoured (matplotlib installed, a format it writes); prints the
-    fix on stderr when not. Checked before a run, so a long run is not lost to a bad file name."""
-    if not plot:
-        return True
-    if importlib.util.find_spec("matplotlib") is None:
-        print("megatron-ext: error: --plot needs matplotlib, which is not installed; "
-              "pip install 'megatron-ext[plot]' (or leave out --plot)", file=sys.stderr)
-        return False
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    formats = FigureCanvasAgg.get_supported_filetypes()
-    suffix = Path(plot).suffix.lstrip(".").lower()
-    if suffix not in formats:
-        print(f"megatron-ext: error: --plot {plot}: matplotlib writes {', '.join(sorted(formats))}, not "
-              f"'{suffix or '(no extension)'}'; name the file e.g. delta.png", file=sys.stderr)
-        return False
-    return True
 
 
 def cmd_patch_source(args: argparse.Namespace) -> int:
@@ -506,28 +371,54 @@ def _add_tokenizer_arguments(parser: argparse.ArgumentParser, what: str, note: s
                         "PATH); Hugging Face tokenizers need transformers: pip install 'megatron-ext[hf]'")
 
 
-def _add_verbose_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--verbose", action="store_true",
-                        help="show megatron-core's, torch's and gloo's own output inline (default: "
-                        "gathered into a log file in the temporary directory, removed after a PASS, "
-                        "kept and named after a failure or an error)")
-    parser.add_argument("--keep-log", action="store_true",
-                        help="keep the log file of megatron-core's, torch's and gloo's output after a "
-                        "PASS too, and name it")
+#: The output flags subcommands share, each declared once (:func:`_add_output_arguments`); ``{json}``:
+#: what the subcommand's ``--json`` writes.
+_OUTPUT_FLAGS: dict[str, dict[str, Any]] = {
+    "--json": dict(metavar="PATH", help="also write {json} as JSON"),
+    "--plot": dict(metavar="PNG", help="also plot |Δ log-prob| per step (matplotlib)"),
+    "--no-progress": dict(action="store_true", help="no progress bar"),
+    "--width": dict(type=_width, default=None,
+                    help="table width in columns (>= 40; default: the terminal's, or unbounded in a log)"),
+    "--verbose": dict(action="store_true",
+                      help="show megatron-core's, torch's and gloo's own output inline (default: "
+                      "gathered into a log file in the temporary directory, removed after a PASS, "
+                      "kept and named after a failure or an error)"),
+    "--keep-log": dict(action="store_true",
+                       help="keep the log file of megatron-core's, torch's and gloo's output after a "
+                       "PASS too, and name it"),
+}
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser, *flags: str, json_writes: str = "") -> None:
+    """Add the shared output flags ``flags`` (keys of :data:`_OUTPUT_FLAGS`) in that order, the
+    order ``--help`` lists them; ``json_writes``: what ``--json PATH`` writes."""
+    for flag in flags:
+        options = dict(_OUTPUT_FLAGS[flag])
+        options["help"] = options["help"].format(json=json_writes)
+        parser.add_argument(flag, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``megatron-ext`` argument parser, one subcommand per ``_add_*`` function below."""
     parser = argparse.ArgumentParser(
         prog="megatron-ext",
         description="Prefix-caching fixes and bit-identity checks for megatron-core's dynamic inference.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    for add_subcommand in (_add_status, _add_ab, _add_save_checkpoint, _add_soak, _add_compare, _add_patch_source):
+        add_subcommand(sub)
+    return parser
+
+
+def _add_status(sub: Any) -> None:
     p_status = sub.add_parser("status", help="show what each runtime patch would do here")
     p_status.add_argument("--json", action="store_true", help="machine-readable output")
     p_status.add_argument("--force", action="store_true", help="as MEGATRON_EXT_FORCE=1")
-    p_status.add_argument("--width", type=_width, default=None, help="table width in columns (>= 40; default: the terminal's, or unbounded in a log)")
+    _add_output_arguments(p_status, "--width")
     p_status.set_defaults(func=cmd_status)
 
+
+def _add_ab(sub: Any) -> None:
     p_ab = sub.add_parser(
         "ab", help="prefix caching off vs on through megatron-core's dynamic engine, bit for bit",
         description="Exit codes: 0 bit-identical and every audit holds; 1 divergence, audit "
@@ -539,8 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="shipped case name or path to a case YAML file (default: rl_rollouts)")
     p_ab.add_argument("--unpatched", action="store_true",
                       help="run megatron-core as released, without megatron-ext's runtime patches")
-    p_ab.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p_ab.add_argument("--plot", metavar="PNG", help="also plot |Δ log-prob| per step (matplotlib)")
+    _add_output_arguments(p_ab, "--json", "--plot", json_writes="the results")
     p_ab.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     _add_layout_arguments(p_ab)
     p_ab.add_argument("--load", metavar="DIR",
@@ -581,11 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "models (not hybrid); with weight_updates each round is compared with its own weights, "
                       "requests in flight across an update are left out; a run that compares no token fails")
     p_ab.add_argument("--list-cases", action="store_true", help="print the shipped case names")
-    p_ab.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p_ab.add_argument("--width", type=_width, default=None, help="table width in columns (>= 40; default: the terminal's, or unbounded in a log)")
-    _add_verbose_argument(p_ab)
+    _add_output_arguments(p_ab, "--no-progress", "--width", "--verbose", "--keep-log")
     p_ab.set_defaults(func=cmd_ab)
 
+
+def _add_save_checkpoint(sub: Any) -> None:
     p_save = sub.add_parser(
         "save-checkpoint", help="save the case's seeded model as a Megatron distributed checkpoint",
         description="Builds the model exactly as 'ab' does (the case's model section and seed) and "
@@ -603,9 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_save.add_argument("--iteration", type=_positive_int, default=1, metavar="N",
                         help="training iteration recorded: DIR/iter_NNNNNNN and the tracker file (default: 1)")
     _add_layout_arguments(p_save)
-    _add_verbose_argument(p_save)
+    _add_output_arguments(p_save, "--verbose", "--keep-log")
     p_save.set_defaults(func=cmd_save_checkpoint)
 
+
+def _add_soak(sub: Any) -> None:
     p_soak = sub.add_parser(
         "soak", help="ab on a generated workload of many requests sharing prefixes, under KV pressure",
         description="Generates a reproducible workload (megatron_ext/harness/soak.py: RL rollouts, multi-turn "
@@ -632,14 +524,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run megatron-core as released, without megatron-ext's runtime patches")
     _add_tokenizer_arguments(p_soak, "the generated prompts", "their lengths are then in characters, not "
                              "tokens, and the soak model's vocab_size grows to the tokenizer's when smaller")
-    p_soak.add_argument("--json", metavar="PATH", help="also write the figures and results as JSON")
+    _add_output_arguments(p_soak, "--json", json_writes="the figures and results")
     p_soak.add_argument("--dump-case", metavar="PATH",
                         help="also write the generated case as YAML (runs with 'ab --case PATH')")
-    p_soak.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p_soak.add_argument("--width", type=_width, default=None, help="table width in columns (>= 40; default: the terminal's, or unbounded in a log)")
-    _add_verbose_argument(p_soak)
+    _add_output_arguments(p_soak, "--no-progress", "--width", "--verbose", "--keep-log")
     p_soak.set_defaults(func=cmd_soak)
 
+
+def _add_compare(sub: Any) -> None:
     p_cmp = sub.add_parser(
         "compare", help="compare runs recorded in two ab/soak JSON files, bit for bit",
         description="Reads two files written by 'ab --json' or 'soak --json' (made apart: other machines, "
@@ -650,12 +542,13 @@ def build_parser() -> argparse.ArgumentParser:
         "differs; 2 bad input.")
     p_cmp.add_argument("a", metavar="A", help="FILE or FILE:RUN (RUN: off, ref_zero, lru)")
     p_cmp.add_argument("b", metavar="B", help="FILE or FILE:RUN")
-    p_cmp.add_argument("--json", metavar="PATH", help="also write the comparison as JSON")
-    p_cmp.add_argument("--plot", metavar="PNG", help="also plot |Δ log-prob| per step (matplotlib)")
+    _add_output_arguments(p_cmp, "--json", "--plot", json_writes="the comparison")
     p_cmp.add_argument("--only-divergent", action="store_true", help="list only the requests that differ")
-    p_cmp.add_argument("--width", type=_width, default=None, help="table width in columns (>= 40; default: the terminal's, or unbounded in a log)")
+    _add_output_arguments(p_cmp, "--width")
     p_cmp.set_defaults(func=cmd_compare, runs_megatron_core=False)  # reads JSON files only
 
+
+def _add_patch_source(sub: Any) -> None:
     p_src = sub.add_parser(
         "patch-source", help="apply the source patches (patches/) to a megatron-core tree",
         description="PATH is the directory holding megatron/core (site-packages or a Megatron-LM "
@@ -665,7 +558,6 @@ def build_parser() -> argparse.ArgumentParser:
     p_src.add_argument("--check", action="store_true", help="report what would be done; change nothing")
     p_src.add_argument("--revert", action="store_true", help="remove the patches")
     p_src.set_defaults(func=cmd_patch_source, runs_megatron_core=False)  # checks its tree's release itself
-    return parser
 
 
 def _quiet_imports() -> None:
@@ -715,7 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"megatron-ext: {args.command} interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     finally:
-        if _world()[1] > 1:  # under torchrun: leave the process group together (not in-process callers)
+        if torchrun_world()[1] > 1:  # under torchrun: leave the process group together (not in-process callers)
             from .harness.distributed import shut_down
 
             shut_down()

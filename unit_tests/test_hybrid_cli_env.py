@@ -1,5 +1,5 @@
 """``ab`` / ``soak`` set Triton's environment for a hybrid case on the CPU themselves
-(``megatron_ext.cli._hybrid_cpu_environment``), and the bf16 Mamba-state rule (fault H2) is named
+(``megatron_ext.harness.triton_env.ensure_hybrid_cpu_environment``), and the bf16 Mamba-state rule (fault H2) is named
 where a case breaks it (``megatron_ext.harness.hybrid``). The end-to-end runs are in
 ``functional_tests/test_hybrid_cli.py``."""
 
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext import cli
 from megatron_ext.errors import MegatronExtError
 from megatron_ext.harness.cases import load_case, parse_case
+from megatron_ext.harness import triton_env
 from megatron_ext.harness.hybrid import bf16_mamba_states, mamba_state_dtype_warning
 
 HYBRID_TINY = Path(__file__).resolve().parents[1] / "functional_tests" / "cases" / "hybrid_tiny.yaml"
-VARIABLES = ("TRITON_INTERPRET", "MAMBA_DETERMINISTIC", cli.TRITON_REEXEC_ENV)
+VARIABLES = ("TRITON_INTERPRET", "MAMBA_DETERMINISTIC", triton_env.TRITON_REEXEC_ENV)
 
 
 class Execed(Exception):
@@ -34,7 +34,7 @@ def clean_env(monkeypatch):
         calls.append((path, argv, {k: os.environ.get(k) for k in VARIABLES}))
         raise Execed
 
-    monkeypatch.setattr(cli.os, "execv", execv)
+    monkeypatch.setattr(triton_env.os, "execv", execv)
     return calls
 
 
@@ -43,33 +43,33 @@ def hybrid_case():
 
 
 def test_set_in_process_when_nothing_read_them(clean_env, monkeypatch):
-    monkeypatch.setattr(cli, "_triton_env_read", lambda: False)
-    cli._hybrid_cpu_environment(hybrid_case(), "cpu", program=True)
+    monkeypatch.setattr(triton_env, "triton_env_read", lambda: False)
+    triton_env.ensure_hybrid_cpu_environment(hybrid_case(), "cpu", program=True)
     assert {k: os.environ.get(k) for k in VARIABLES} == {
-        "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1", cli.TRITON_REEXEC_ENV: None}
+        "TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1", triton_env.TRITON_REEXEC_ENV: None}
     assert clean_env == []
 
 
 def test_reexecutes_once_when_triton_is_imported(clean_env, monkeypatch):
-    monkeypatch.setattr(cli, "_triton_env_read", lambda: True)
+    monkeypatch.setattr(triton_env, "triton_env_read", lambda: True)
     with pytest.raises(Execed):
-        cli._hybrid_cpu_environment(hybrid_case(), "cpu", program=True)
+        triton_env.ensure_hybrid_cpu_environment(hybrid_case(), "cpu", program=True)
     assert clean_env == [(sys.executable, [sys.executable, *sys.orig_argv[1:]],
-                          {"TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1", cli.TRITON_REEXEC_ENV: "1"})]
+                          {"TRITON_INTERPRET": "1", "MAMBA_DETERMINISTIC": "1", triton_env.TRITON_REEXEC_ENV: "1"})]
 
 
 def test_refuses_after_reexecuting_once(clean_env, monkeypatch):
-    monkeypatch.setattr(cli, "_triton_env_read", lambda: True)
-    monkeypatch.setenv(cli.TRITON_REEXEC_ENV, "1")
+    monkeypatch.setattr(triton_env, "triton_env_read", lambda: True)
+    monkeypatch.setenv(triton_env.TRITON_REEXEC_ENV, "1")
     with pytest.raises(MegatronExtError, match="Triton was imported before megatron-ext could set "
                        "TRITON_INTERPRET=1 MAMBA_DETERMINISTIC=1; set them in the environment"):
-        cli._hybrid_cpu_environment(hybrid_case(), "cpu", program=True)
+        triton_env.ensure_hybrid_cpu_environment(hybrid_case(), "cpu", program=True)
     assert clean_env == []
 
 
 @pytest.mark.parametrize("why", ["in-process", "cuda", "gpt case", "already set"])
 def test_leaves_the_environment_alone(clean_env, monkeypatch, why):
-    monkeypatch.setattr(cli, "_triton_env_read", lambda: True)
+    monkeypatch.setattr(triton_env, "triton_env_read", lambda: True)
     case, device, program = hybrid_case(), "cpu", True
     if why == "in-process":
         program = False
@@ -81,7 +81,7 @@ def test_leaves_the_environment_alone(clean_env, monkeypatch, why):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         monkeypatch.setenv("MAMBA_DETERMINISTIC", "1")
     before = {k: os.environ.get(k) for k in VARIABLES}
-    cli._hybrid_cpu_environment(case, device, program)
+    triton_env.ensure_hybrid_cpu_environment(case, device, program)
     assert {k: os.environ.get(k) for k in VARIABLES} == before
     assert clean_env == []
 

@@ -14,5 +14,9 @@ Nothing here is imported by a job that only applies the fixes (``megatron_ext.ap
   read back from ab/soak JSON files (``compare``);
 * :mod:`.checkpoint`: ``--load`` / ``save-checkpoint``; :mod:`.checkpoint_args`: the model from and
   to Megatron-LM's checkpoint args; :mod:`.distributed`: torchrun ranks;
+* what a run needs, checked before it starts: :mod:`.run_inputs` (the case, tokenizer, prompts and
+  checkpoints of ``ab``), :mod:`.launch` (torchrun ranks vs the TP x PP layout),
+  :mod:`.output_files` (``--json`` / ``--plot`` / ``--dump-case``), :mod:`.triton_env` (Triton's
+  variables for a hybrid case on the CPU);
 * :mod:`.factories`: small contexts and requests for tests and benchmarks.
 """
