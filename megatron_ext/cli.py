@@ -257,7 +257,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     from .harness.output_files import check_output_files
     from .harness.report import print_report
     from .harness.run_inputs import resolve_tokenizer
-    from .harness.soak import soak_case, soak_summary
+    from .harness.soak import fit_vocab, soak_case, soak_lines, soak_summary
     from .harness.triton_env import ensure_hybrid_cpu_environment
 
     check_output_files({"--json": args.json, "--dump-case": args.dump_case})
@@ -265,12 +265,10 @@ def cmd_soak(args: argparse.Namespace) -> int:
     tokenizer = resolve_tokenizer(args.tokenizer, args.tokenizer_library)
     case = soak_case(args.requests, args.seed, policies, chunked_prefill=not args.no_chunked_prefill,
                      update_every=args.update_every, hybrid=args.hybrid)
-    if tokenizer is not None and tokenizer.vocab_size > case.model.vocab_size:
-        # The soak model has no case file to edit: it grows to the tokenizer's IDs (random weights
-        # either way), said on a line, so the dumped case reruns with 'ab --case ... --tokenizer'.
-        print(f"soak: model vocab_size {case.model.vocab_size} -> {tokenizer.vocab_size} to fit the "
-              f"token IDs of --tokenizer {args.tokenizer}")
-        case = case.model_copy(update={"model": case.model.model_copy(update={"vocab_size": tokenizer.vocab_size})})
+    if tokenizer is not None:
+        case, grown = fit_vocab(case, tokenizer.vocab_size)
+        if grown:
+            print(f"soak: {grown} to fit the token IDs of --tokenizer {args.tokenizer}")
     if args.dump_case:
         Path(args.dump_case).write_text(dump_case(case))
     ensure_hybrid_cpu_environment(case, "cpu", getattr(args, "program", False))
@@ -283,19 +281,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
         _keep_log_after_error(log, args.keep_log)
         raise
     summary = soak_summary(result)
-    figures = [
-        f"soak {name}: {summary['requests']} requests, {run['engine_steps']} engine steps, "
-        f"{run['wall_s']} s, {run['blocks_matched']} blocks matched, peak pool use "
-        f"{run['peak_pool_use']} blocks, {run['requests_paused']} requests paused "
-        f"(peak {run['peak_paused_requests']} at once), {run['requests_evicted']} requests "
-        f"evicted, {run['cached_blocks_evicted']} cached blocks evicted"
-        + (f", {run['mamba_restores']} Mamba restores ({run['mamba_restores_failed']} failed)"
-           if "mamba_restores" in run else "")
-        + (f"; megatron-core raised: {run['error']}" if run["error"] else "")
-        for name, run in summary["runs"].items()
-    ]
     print_report(result, report_console(args.width), only_divergent=True,
-                 notes=figures + _log_notes(output, result.exit_code() == 0, args.keep_log))
+                 notes=soak_lines(summary) + _log_notes(output, result.exit_code() == 0, args.keep_log))
     if args.json:
         Path(args.json).write_text(json.dumps({"soak": summary, **result.as_json()}, indent=2))
     return result.exit_code()

@@ -260,3 +260,28 @@ def soak_summary(result: "ABResult") -> dict[str, Any]:
             "error": run.error,
         }
     return out
+
+
+def soak_lines(summary: dict[str, Any]) -> list[str]:
+    """One report line per run of :func:`soak_summary`'s figures (``soak <run>: ...``)."""
+    return [
+        f"soak {name}: {summary['requests']} requests, {run['engine_steps']} engine steps, "
+        f"{run['wall_s']} s, {run['blocks_matched']} blocks matched, peak pool use "
+        f"{run['peak_pool_use']} blocks, {run['requests_paused']} requests paused "
+        f"(peak {run['peak_paused_requests']} at once), {run['requests_evicted']} requests "
+        f"evicted, {run['cached_blocks_evicted']} cached blocks evicted"
+        + (f", {run['mamba_restores']} Mamba restores ({run['mamba_restores_failed']} failed)"
+           if "mamba_restores" in run else "")
+        + (f"; megatron-core raised: {run['error']}" if run["error"] else "")
+        for name, run in summary["runs"].items()
+    ]
+
+
+def fit_vocab(case: Case, vocab_size: int) -> tuple[Case, Optional[str]]:
+    """``case`` with its model's ``vocab_size`` grown to ``vocab_size`` if smaller (the soak model
+    has no case file to edit, and its weights are random either way), and the line that says so
+    (None when it fits), so a dumped case reruns with ``ab --case ... --tokenizer``."""
+    if vocab_size <= case.model.vocab_size:
+        return case, None
+    note = f"model vocab_size {case.model.vocab_size} -> {vocab_size}"
+    return case.model_copy(update={"model": case.model.model_copy(update={"vocab_size": vocab_size})}), note
