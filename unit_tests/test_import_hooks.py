@@ -29,8 +29,13 @@ _NAMES = itertools.count()
 def make_module(tmp_path, monkeypatch):
     """``make_module(body) -> name``: a new module ``name`` (in a new package on ``sys.path``), not
     imported yet, defining ``answer()``. Its code first appends its name to :data:`EXECUTIONS`, so a
-    test counts how often the code ran, then runs ``body``."""
+    test counts how often the code ran, then runs ``body``.
+
+    The test gets a finder of its own: a runtime patch applied earlier in this process may have left
+    the process's finder waiting for a module not imported yet (fault 8's refit module), and the
+    tests check when *their* finder leaves ``sys.meta_path``."""
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(import_hooks, "_FINDER", None)
     created = []
 
     def make(body: str = "") -> str:
@@ -45,6 +50,8 @@ def make_module(tmp_path, monkeypatch):
         return name
 
     yield make
+    if import_hooks._FINDER in sys.meta_path:  # a hook left waiting (a module that never came)
+        sys.meta_path.remove(import_hooks._FINDER)
     for package in created:
         for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
             del sys.modules[key]
@@ -56,7 +63,8 @@ STARTED, GATE = threading.Event(), threading.Event()
 
 
 def finder_installed() -> bool:
-    return any(isinstance(f, import_hooks._PostImportFinder) for f in sys.meta_path)
+    """Whether this test's finder (see ``make_module``) is on ``sys.meta_path``."""
+    return import_hooks._FINDER is not None and import_hooks._FINDER in sys.meta_path
 
 
 def test_hook_runs_once_after_the_module_executed_and_the_finder_leaves(make_module):
@@ -192,9 +200,7 @@ def test_missing_module_is_left_to_the_import_system(make_module):
     when_imported(name, lambda module: pytest.fail("hook ran for a module that does not exist"))
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(name)
-    assert pending(name) == 1  # still waiting: the module may appear later
-    import_hooks._FINDER.hooks.pop(name)  # leave no finder behind for the other tests
-    sys.meta_path.remove(import_hooks._FINDER)
+    assert pending(name) == 1 and finder_installed()  # still waiting: the module may appear later
 
 
 def test_without_wait_it_returns_while_another_thread_still_executes_the_module(make_module):
