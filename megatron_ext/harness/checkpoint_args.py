@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from .cases.schema import ModelSpec, describe_validation_error
 from .checkpoint import CheckpointError, CheckpointSource, read_common_state
+from .dtypes import TORCH_DTYPES
 
 #: ``checkpoint_version`` Megatron-LM writes (training/checkpointing.py).
 CHECKPOINT_VERSION = 3.0
@@ -57,7 +58,7 @@ MAMBA_ARGS = {"mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 
 
 #: Megatron-LM's ``--mamba-inference-*-states-dtype`` values (strings, or torch dtypes once its
 #: argument parsing mapped them) -> ``ModelSpec`` dtype names.
-_STATE_DTYPES = {"fp32": "fp32", "bf16": "bf16", torch.float32: "fp32", torch.bfloat16: "bf16"}
+_STATE_DTYPES = {**{name: name for name in TORCH_DTYPES}, **{dtype: name for name, dtype in TORCH_DTYPES.items()}}
 
 
 def megatron_lm_args(spec: ModelSpec, padded_vocab_size: int, tensor_model_parallel_size: int = 1,
@@ -71,7 +72,7 @@ def megatron_lm_args(spec: ModelSpec, padded_vocab_size: int, tensor_model_paral
         padded_vocab_size: rows of the saved word embedding (``spec.vocab_size`` rounded up for TP).
         tensor_model_parallel_size, pipeline_model_parallel_size: the layout it was saved from.
     """
-    dtype = torch.bfloat16 if spec.params_dtype == "bf16" else torch.float32
+    dtype = TORCH_DTYPES[spec.params_dtype]
     rope = spec.position_embedding_type == "rope"
     return argparse.Namespace(
         **_hybrid_args(spec),
@@ -124,8 +125,7 @@ def _hybrid_args(spec: ModelSpec) -> dict[str, Any]:
     args); none for a GPT model."""
     if not spec.is_hybrid:
         return {}
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    states = {arg: dtypes[value] for arg, value in (
+    states = {arg: TORCH_DTYPES[value] for arg, value in (
         ("mamba_inference_ssm_states_dtype", spec.mamba_ssm_states_dtype),
         ("mamba_inference_conv_states_dtype", spec.mamba_conv_states_dtype)) if value is not None}
     return {"hybrid_layer_pattern": spec.hybrid_layer_pattern, "hybrid_override_pattern": None,
