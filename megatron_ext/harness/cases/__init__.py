@@ -31,12 +31,12 @@ from pydantic import ValidationError
 
 from .planning import (PlannedRequest, WorkloadError, check_top_n_fits, plan_requests, sequence_too_long,
                        validate_planned)
-from .schema import (CPU_KV_CACHE_MODES, HYBRID_LAYER_SYMBOLS, Case, CaseFileError, Expectations, InferenceSpec,
+from .schema import (HYBRID_LAYER_SYMBOLS, KV_CACHE_MANAGEMENT_MODES, Case, CaseFileError, Expectations, InferenceSpec,
                      ModelSpec, RequestSpec, SamplingSpec, WeightUpdateSpec, describe_validation_error,
                      turn_prompts)
 
 __all__ = [
-    "CPU_KV_CACHE_MODES", "HYBRID_LAYER_SYMBOLS", "Case", "CaseFileError", "Expectations", "InferenceSpec",
+    "HYBRID_LAYER_SYMBOLS", "KV_CACHE_MANAGEMENT_MODES", "Case", "CaseFileError", "Expectations", "InferenceSpec",
     "ModelSpec", "PlannedRequest", "RequestSpec", "SamplingSpec", "WeightUpdateSpec", "WorkloadError",
     "check_top_n_fits", "describe_validation_error", "dump_case", "load_case", "parse_case", "plan_requests",
     "sequence_too_long", "shipped_cases", "turn_prompts", "validate_planned",

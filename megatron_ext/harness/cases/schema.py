@@ -236,8 +236,9 @@ class RequestSpec(StrictModel):
         return self
 
 
-#: ``kv_cache_management_mode`` values that run on the CPU backend, and why the others cannot.
-CPU_KV_CACHE_MODES = ("persist", "offload", "recompute")
+#: megatron-core's ``KVCacheManagementMode`` values (inference/config.py, the same in 0.17-0.19),
+#: spelled out so a case file is checked without importing megatron-core; all run on the CPU too.
+KV_CACHE_MANAGEMENT_MODES = ("persist", "offload", "recompute")
 
 #: Fields of :class:`WeightUpdateSpec` that only one update kind (or only suspend/resume) uses.
 _FIELDS_OF_KIND = {"optimizer": "train_step", "learning_rate": "train_step", "perturb_scale": "perturb",
@@ -290,9 +291,9 @@ class WeightUpdateSpec(StrictModel):
         if "kv_cache_management_mode" in self.model_fields_set and not self.suspend_resume:
             raise ValueError("'kv_cache_management_mode' is the engine's mode across suspend()/resume(); "
                              "set suspend_resume: true or remove it")
-        if self.kv_cache_management_mode not in CPU_KV_CACHE_MODES:
+        if self.kv_cache_management_mode not in KV_CACHE_MANAGEMENT_MODES:
             raise ValueError(f"kv_cache_management_mode '{self.kv_cache_management_mode}' is not one of "
-                             f"megatron-core's modes that run here: {', '.join(CPU_KV_CACHE_MODES)}")
+                             f"megatron-core's modes that run here: {', '.join(KV_CACHE_MANAGEMENT_MODES)}")
         if self.kind == "checkpoint" and self.checkpoints and len(self.checkpoints) not in (1, len(steps)):
             raise ValueError(f"{len(self.checkpoints)} checkpoints for {len(steps)} updates; give one (loaded "
                              "at every update) or one per update")
