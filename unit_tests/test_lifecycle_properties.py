@@ -33,7 +33,8 @@ block), ref counts equal the owners in live block tables, every block is free, h
 exactly once, the prefix forest (LRU) has no registered block whose parent is gone and its child
 counts are exact, and every prompt seen so far can be looked up (``_find_kv_match_count`` never
 raises ``KeyError``). Before the resync of issue 20 section 2 this failed on 0.17.1 and 0.18.2
-within a few examples; with 4b4e789's fix of the weight versions undone it fails too.
+within a few examples; with a never-synced context taken for one seen at version 0 (fault 8's
+weight versions before its fix) it fails too: a block cached before ``apply()`` matched in epoch 1.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     @initialize(start_applied=st.booleans())
     def build(self, start_applied: bool) -> None:
         # A fresh job: weight version 0, and (start_applied False) a context filled before the
-        # first apply(), which counts as no update (4b4e789 failed on exactly these states).
+        # first apply(), which counts as no update (the states where fault 8 once mislabelled the epoch).
         megatron_ext.apply() if start_applied else megatron_ext.revert()
         fault8._current_version, FAULT8._reverted = 0, False
         self.applied = start_applied
