@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import mcore
 from .env import flag, name_set
-from .errors import MegatronExtError, PatchRefusedError, WeightUpdatePatchNotApplied
+from .errors import MegatronExtError, PatchRefusedError, RevertBlockedError, WeightUpdatePatchNotApplied
 from .patching import PatchResult, PatchState
 from .patches import ALL_PATCHES
 
@@ -165,8 +165,15 @@ def revert() -> list[PatchResult]:
 
     Returns:
         One :class:`PatchResult` per patch: REVERTED or NOT_APPLIED.
+
+    Raises:
+        RevertBlockedError: foreign code wrapped (or replaced) a patched function after
+            :func:`apply`; the message names it. Nothing is reverted: revert that code first.
     """
     with _LOCK:
+        blockers = [blocker for patch in _INSTALLED if (blocker := patch.revert_blocker(outer_patches_first=True))]
+        if blockers:
+            raise RevertBlockedError("; ".join(blockers))
         reverted = set()
         while _INSTALLED:
             patch = _INSTALLED.pop()
@@ -208,9 +215,11 @@ def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
     Raises:
         TypeError: ``target`` is neither an engine nor a context.
         WeightUpdatePatchNotApplied: the ``weight-update-invalidation`` patch is not applied
-            (call :func:`apply` first) and the installed code is not source-patched; without
-            either, a chunked prefill straddling the update would register blocks computed from
-            the old weights' KV.
+            (call :func:`apply` first), or foreign code replaced one of its wrappers without
+            calling through to it (the message names that code), and the installed code is not
+            source-patched; without either, a chunked prefill straddling the update would
+            register blocks computed from the old weights' KV. Foreign wrappers that call
+            through (with ``functools.wraps`` or not) leave the patch applied.
     """
     from .patches import weight_update_invalidation as fault8
 
@@ -230,9 +239,12 @@ def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
             source_patched = not patch.needed()[0]
         except Exception:  # an unreadable source is no evidence of the fix (as in plan())
             source_patched = False
+        bypassed = _bypassed(patch)
     if source_patched:
         unreachable, freed = context.invalidate_prefix_cache()
         return fault8.checked(context, fault8.InvalidationResult(unreachable, freed, epoch=context.prefix_cache_epoch))
+    if bypassed:
+        raise WeightUpdatePatchNotApplied(f"invalidate_prefix_cache: {bypassed}")
     raise WeightUpdatePatchNotApplied(
         "invalidate_prefix_cache needs the weight-update-invalidation patch: call megatron_ext.apply() "
         "first (megatron_ext.status() says why it is not applied)")
@@ -260,6 +272,24 @@ def token_weight_versions(request: Any) -> "TokenWeightVersions":
             applied (or under ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep``), a merged / deserialized copy,
             or it ran while the patch was reverted (a swap then goes unseen).
     """
-    from .patches.weight_versions import token_weight_versions as versions
+    from .patches.weight_versions import WeightVersionsNotRecorded, token_weight_versions as versions
 
-    return versions(request)
+    try:
+        return versions(request)
+    except WeightVersionsNotRecorded as exc:
+        with _LOCK:
+            bypassed = _bypassed(next(p for p in ALL_PATCHES if p.name == "weight-update-invalidation"))
+        if bypassed:
+            raise WeightVersionsNotRecorded(f"{exc}; {bypassed}") from None
+        raise
+
+
+def _bypassed(patch: Any) -> str:
+    """A sentence naming the foreign code that bypasses an installed patch's wrappers, or ``""``."""
+    lost = patch.bypassed()
+    if not lost:
+        return ""
+    where = "; ".join(f"{target.qualname} is now {name}" for target, name in lost.items())
+    return (f"the {patch.name} patch was applied, but foreign code replaced its wrapper without calling through "
+            f"to it, so megatron-ext no longer sees weight updates there ({where}); make that code call the "
+            "function it replaced, or remove it")

@@ -44,3 +44,9 @@ class DeviceUnavailableError(MegatronExtError, RuntimeError):
 class WeightUpdatePatchNotApplied(MegatronExtError, RuntimeError):
     """``invalidate_prefix_cache`` was called while the ``weight-update-invalidation`` patch is
     not applied (``megatron_ext.apply()`` installs it)."""
+
+
+class RevertBlockedError(MegatronExtError, RuntimeError):
+    """``revert()`` cannot restore a patched function: foreign code wrapped megatron-ext's wrapper
+    (or replaced it) after ``apply()``; the message names it. Nothing is reverted. Also a
+    ``RuntimeError``, as it was before it had its own class."""

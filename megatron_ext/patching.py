@@ -23,12 +23,48 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-from . import mcore
+from . import foreign, mcore
+from .errors import RevertBlockedError
 from .fingerprints import RecordedFingerprints, fingerprint
 from .guards import BYPASS_ATTR, Guarded, guarded_function
 
-#: Attribute set on every wrapper megatron-ext installs, naming the patch that installed it.
+#: Attribute set on every wrapper megatron-ext installs, naming the patch that installed it. For
+#: people reading a wrapper; megatron-ext itself goes by :data:`_INSTALLED_WRAPPERS` (identity),
+#: because ``functools.wraps`` and ``wrapt`` proxies make a foreign wrapper show the marker too.
 PATCH_MARKER = "_self_megatron_ext_patch"
+
+#: ``id(wrapper) -> (patch name, wrapper)`` of every wrapper :meth:`Patch.install` put in place and
+#: :meth:`Patch.uninstall` has not removed: what was applied, recorded when it was applied.
+_INSTALLED_WRAPPERS: dict[int, tuple[str, Any]] = {}
+
+
+def installed_by(obj: Any) -> str | None:
+    """The name of the patch that installed ``obj``, or None if megatron-ext did not install it."""
+    entry = _INSTALLED_WRAPPERS.get(id(obj))
+    return entry[0] if entry is not None and entry[1] is obj else None
+
+
+def _ours_or_megatron(obj: Any) -> bool:
+    return installed_by(obj) is not None or foreign.defined_in_megatron(obj)
+
+
+def wrapper_chain(target: "Target") -> list[Any]:
+    """The objects from ``target``'s class attribute down to megatron-core's function, outermost
+    first: megatron-ext's wrappers (each calls its ``__wrapped__``), foreign wrappers found over
+    or between them (:func:`megatron_ext.foreign.path_to`), and last the function under them all,
+    which may be a foreign wrapper megatron-ext cannot see through."""
+    layers, obj = [], target.current()
+    while True:
+        layers.append(obj)
+        if installed_by(obj) is not None:
+            obj = obj.__wrapped__
+            continue
+        if not _INSTALLED_WRAPPERS or foreign.defined_in_megatron(obj):
+            return layers
+        path = foreign.path_to(obj, lambda o: installed_by(o) is not None, opaque=_ours_or_megatron)
+        if path is None:
+            return layers
+        obj = path[-1]
 
 
 @dataclass(frozen=True)
@@ -166,11 +202,9 @@ class Target:
         return self.owner().__dict__[self.attribute]
 
     def original(self) -> Callable:
-        """The unwrapped megatron-core function, even while one of our wrappers is installed."""
-        function = self.current()
-        while getattr(function, PATCH_MARKER, None) is not None:
-            function = function.__wrapped__
-        return function
+        """The function under megatron-ext's wrappers and the foreign ones over them: megatron-core's
+        (or, before :func:`megatron_ext.apply`, a foreign wrapper of it, :func:`wrapper_chain`)."""
+        return wrapper_chain(self)[-1]
 
 
 @dataclass(frozen=True)
@@ -205,16 +239,13 @@ class PatchResult:
 
 
 def installed_patches(target: "Target") -> list[str]:
-    """Names of the megatron-ext patches wrapping ``target``, outermost first.
+    """Names of the megatron-ext patches whose wrappers ``target``'s attribute still reaches,
+    outermost first (foreign wrappers between them are passed over, :func:`wrapper_chain`).
 
     Several patches may wrap one function (``add_request`` carries two on 0.17/0.18); each
     wrapper wraps the one installed before it.
     """
-    names, function = [], target.current()
-    while (name := getattr(function, PATCH_MARKER, None)) is not None:
-        names.append(name)
-        function = function.__wrapped__
-    return names
+    return [name for obj in wrapper_chain(target) if (name := installed_by(obj)) is not None]
 
 
 def defined(target: Target) -> bool:
@@ -281,7 +312,8 @@ class Patch(ABC):
     requires: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
-        self._saved: dict[Target, Any] = {}
+        self._saved: dict[Target, Any] = {}  # what install() replaced, put back by uninstall()
+        self._installed: dict[Target, Any] = {}  # what install() put in its place
 
     @property
     def supported_releases(self) -> tuple[str, ...]:
@@ -313,9 +345,58 @@ class Patch(ABC):
     def target_names(self) -> tuple[str, ...]:
         return tuple(f"{t.module}:{t.qualname}" for t in self.wrappers())
 
+    @property
+    def installed(self) -> bool:
+        """Whether :meth:`install` put this patch's wrappers in place and :meth:`uninstall` has not
+        removed them (whatever foreign code did since)."""
+        return bool(self._installed)
+
     def is_applied(self) -> bool:
-        """Whether every target carries this patch's wrapper, anywhere in a stack of wrappers."""
-        return all(self.name in installed_patches(t) for t in self.wrappers())
+        """Whether this patch is installed and every target still reaches its wrapper, under
+        foreign wrappers or not."""
+        return self.installed and all(self._layers_above(target) is not None for target in self._installed)
+
+    def wrapped_over(self) -> dict[Target, list[str]]:
+        """Target -> the foreign wrappers over this patch's wrapper (``module:qualname``, outermost
+        first), for the targets that have any and still reach it."""
+        over = {}
+        for target in self._installed:
+            layers = self._layers_above(target)
+            names = [foreign.describe(obj) for obj in layers or () if installed_by(obj) is None]
+            if names:
+                over[target] = names
+        return over
+
+    def bypassed(self) -> dict[Target, str]:
+        """Target -> the foreign object (``module:qualname``) its attribute holds now, for the
+        targets from which this patch's wrapper is no longer reachable: foreign code replaced it
+        without calling through, so the fix does not run there."""
+        lost = {target: target.current() for target in self._installed if self._layers_above(target) is None}
+        # megatron-core's own function back in place (its module reloaded) is "not applied", not foreign
+        return {target: foreign.describe(obj) for target, obj in lost.items() if not foreign.defined_in_megatron(obj)}
+
+    def _layers_above(self, target: Target) -> list[Any] | None:
+        """The objects over this patch's wrapper of ``target``, outermost first; None if unreachable."""
+        layers, mine = wrapper_chain(target), self._installed[target]
+        return next((layers[:i] for i, obj in enumerate(layers) if obj is mine), None)
+
+    def installed_result(self) -> PatchResult | None:
+        """What :meth:`plan` says of an installed patch: APPLIED, naming foreign wrappers over it,
+        or REFUSED where foreign code bypasses it (apply() cannot put it back over that code);
+        None where megatron-core's own function is back (planned as if never installed)."""
+        lost = self.bypassed()
+        if lost:
+            where = "; ".join(f"{t.qualname} is now {name}" for t, name in lost.items())
+            return self.result(PatchState.REFUSED, f"applied, but foreign code replaced megatron-ext's wrapper "
+                               f"without calling through to it, so the fix does not run ({where}); make that code "
+                               "call the function it replaced, or remove it")
+        if not self.is_applied():
+            return None
+        over = self.wrapped_over()
+        if over:
+            names = ", ".join(dict.fromkeys(name for names in over.values() for name in names))
+            return self.result(PatchState.APPLIED, f"already applied by megatron-ext (wrapped by foreign code: {names})")
+        return self.result(PatchState.APPLIED, "already applied by megatron-ext")
 
     def result(self, state: PatchState, reason: str, evidence: str = "") -> PatchResult:
         return PatchResult(self.name, self.target_names(), state, reason, evidence, self.fault)
@@ -350,6 +431,10 @@ class Patch(ABC):
             except (OSError, TypeError) as exc:
                 found = f"unreadable source ({exc})"
             if found != expected.get(target.qualname):
+                unseen = self._unseen_wrapper(target, version)
+                if unseen:
+                    return self.result(PatchState.REFUSED, unseen,
+                                       evidence=f"fingerprint {found}, expected {expected.get(target.qualname)}")
                 return self.result(
                     PatchState.REFUSED,
                     f"{target.module}.{target.qualname} in megatron-core {version} is not the code "
@@ -359,6 +444,17 @@ class Patch(ABC):
                     evidence=f"fingerprint {found}, expected {expected.get(target.qualname)}",
                 )
         return None
+
+    @staticmethod
+    def _unseen_wrapper(target: Target, version: str) -> str:
+        """The refusal for a target under a foreign wrapper that hides the code it wraps (no
+        ``__wrapped__``); ``""`` for any other mismatch."""
+        function = target.original()
+        if foreign.defined_in_megatron(function) or getattr(function, "__wrapped__", None) is not None:
+            return ""
+        return (f"{target.module}.{target.qualname} in megatron-core {version} is wrapped by foreign code {foreign.describe(function)}, which "
+                "hides the code it wraps: give that wrapper functools.wraps (a __wrapped__ chain; wrapt's wrappers "
+                "have one) so megatron-ext can check the code under it, or install it after megatron_ext.apply()")
 
     def import_pending(self) -> list[str]:
         """Modules of :attr:`waits_for_import` megatron-core is importing and has not defined the
@@ -378,8 +474,9 @@ class Patch(ABC):
         if mcore.base_release(version) not in mcore.SUPPORTED_RELEASES and not force:
             # before touching the targets: an unsupported release may not even have them
             return self.check(version)  # refusal naming the supported releases
-        if self.is_applied():
-            return self.result(PatchState.APPLIED, "already applied by megatron-ext")
+        installed = self.installed_result() if self.installed else None
+        if installed is not None:
+            return installed
         try:
             needed, evidence = self.needed()
         except Exception as exc:  # a probe that cannot run says nothing about the fault
@@ -403,12 +500,32 @@ class Patch(ABC):
         to this patch (nothing to remember by default)."""
 
     def install(self) -> None:
-        """Wrap every target. Callers hold the global lock and have checked :meth:`plan`."""
+        """Wrap every target, recording what it replaced and what it installed. Callers hold the
+        global lock and have checked :meth:`plan`."""
         for target, wrapper in self.wrappers().items():
             owner = target.owner()
             self._saved[target] = owner.__dict__[target.attribute]
             wrap = wrap_kernel if isinstance(wrapper, KernelLaunch) else wrap_method
-            setattr(owner, target.attribute, wrap(self._saved[target], wrapper, self.name))
+            installed = wrap(self._saved[target], wrapper, self.name)
+            self._installed[target] = installed
+            _INSTALLED_WRAPPERS[id(installed)] = (self.name, installed)
+            setattr(owner, target.attribute, installed)
+
+    def revert_blocker(self, outer_patches_first: bool = False) -> str:
+        """Why :meth:`uninstall` cannot restore a target now (``""`` if it can): a foreign wrapper
+        over this patch's, or foreign code that replaced it. With ``outer_patches_first``, other
+        megatron-ext wrappers over it do not count (:func:`megatron_ext.revert` unwinds those first)."""
+        for target in self._installed:
+            layers = self._layers_above(target)
+            if layers is None:
+                return (f"cannot revert {self.name}: {target.qualname} was replaced by foreign code "
+                        f"{foreign.describe(target.current())} without calling through to megatron-ext's "
+                        "wrapper; restoring megatron-core's function would drop that code: remove it first")
+            blocking = [obj for obj in layers if not (outer_patches_first and installed_by(obj) is not None)]
+            if blocking:
+                name = installed_by(blocking[0]) or f"foreign code {foreign.describe(blocking[0])}"
+                return f"cannot revert {self.name}: {target.qualname} is wrapped again by {name}; revert that first"
+        return ""
 
     def uninstall(self) -> bool:
         """Put back exactly the objects :meth:`install` replaced. Returns False if none were saved.
@@ -417,18 +534,18 @@ class Patch(ABC):
         several patches is unwound from the outermost wrapper in.
 
         Raises:
-            RuntimeError: another wrapper was installed over this patch's own after it (a caller
-                that broke the reverse order); nothing is changed.
+            RevertBlockedError: another wrapper was installed over this patch's own after it
+                (foreign code, or a caller that broke the reverse order), or foreign code replaced
+                it (:meth:`revert_blocker`); nothing is changed.
         """
         if not self._saved:
             return False
-        for target in self._saved:
-            if getattr(target.current(), PATCH_MARKER, None) != self.name:
-                raise RuntimeError(
-                    f"cannot revert {self.name}: {target.qualname} is wrapped again by "
-                    f"{installed_patches(target)[:1] or 'foreign code'}; revert that first"
-                )
+        blocker = self.revert_blocker()
+        if blocker:
+            raise RevertBlockedError(blocker)
         for target, saved in self._saved.items():
             setattr(target.owner(), target.attribute, saved)
+            _INSTALLED_WRAPPERS.pop(id(self._installed[target]), None)
         self._saved.clear()
+        self._installed.clear()
         return True

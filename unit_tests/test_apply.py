@@ -219,14 +219,13 @@ def test_apply_from_many_threads_installs_one_wrapper(mcore_series):
 
 @pytest.fixture
 def changed_prefix_match(monkeypatch):
-    """A locally edited ``_compute_prefix_match`` (fix 2 relies on it): same behaviour, other code."""
+    """A locally edited ``_compute_prefix_match`` (fix 2 relies on it): same behaviour, other code,
+    in megatron-core's own module (a function defined elsewhere is a foreign wrapper)."""
     owner = COMPUTE_PREFIX_MATCH.owner()
-    original = owner.__dict__["_compute_prefix_match"]
-
-    def _compute_prefix_match(self, *args, **kwargs):  # pragma: no cover - never called
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(owner, "_compute_prefix_match", _compute_prefix_match)
+    namespace = {"original": owner.__dict__["_compute_prefix_match"], "__name__": COMPUTE_PREFIX_MATCH.module}
+    exec("def _compute_prefix_match(self, *args, **kwargs):\n"  # pragma: no cover - never called
+         "    return original(self, *args, **kwargs)\n", namespace)
+    monkeypatch.setattr(owner, "_compute_prefix_match", namespace["_compute_prefix_match"])
     yield
     # the patches that wrap _compute_prefix_match (H5, H1) wrapped the stand-in: off first, then
     # monkeypatch puts the original back

@@ -339,7 +339,7 @@ class WeightUpdateInvalidationPatch(Patch):
         return (*self.wrappers(), DEREGISTER, RELEASE)
 
     def plan(self, version: str, force: bool) -> PatchResult:
-        if on_weight_update_mode() == "keep" and not self.is_applied():
+        if on_weight_update_mode() == "keep" and not self.installed:
             planned = super().plan(version, force)
             if planned.state is PatchState.NOT_NEEDED:
                 # the env variable only governs this patch: source-patched code always invalidates
