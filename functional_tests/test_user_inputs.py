@@ -93,12 +93,22 @@ def test_megatron_model_config_runs_as_an_ab_case(tmp_path, capfd):
             "--output-path": "${INFERENCE_OUTPUT_PATH}", "--incoming-requests-per-step": 1,
             "--prompts": ["Time travel to 2008, and go to a bar on the Lower East Side.",
                           "Time travel to 2008, and go to a disco-basement on the Lower East Side."],
-            "--inference-repeat-n": 3},
+            "--inference-repeat-n": 3, "--some-new-flag": 7},
         "METRICS": ["generated_tokens", "logprobs"]}))  # JSON is YAML
     out = tmp_path / "ab.json"
-    code = cli.main(["ab", "--case", str(directory / "model_config.yaml"), "--no-progress", "--json", str(out)])
+    ab = ["ab", "--case", str(directory / "model_config.yaml"), "--no-progress", "--json", str(out)]
+    assert cli.main(ab) == 2  # an argument megatron-ext does not know stops the run before any engine
+    refused = capfd.readouterr()
+    assert refused.err.strip().endswith("not known to megatron-ext: --some-new-flag; ab cannot tell whether it "
+                                        "changes the model or the engine, so it would report on a model it may "
+                                        "not have built: remove it from a copy of the file, or run ab "
+                                        "--allow-unknown-args (the verdict then names what it ran without)")
+    assert len(refused.err.strip().splitlines()) == 1 and not out.exists()
+    code = cli.main(ab + ["--allow-unknown-args"])
     lines = capfd.readouterr().out.splitlines()
     assert code == 0, "\n".join(lines)
+    assert "megatron case: ran without --some-new-flag: not known to megatron-ext (--allow-unknown-args)" in lines
+    assert "for the model built without --some-new-flag (not known to megatron-ext, --allow-unknown-args)" in lines[-1]
     ignored = [line for line in lines if line.startswith("megatron case: ignored ")]
     assert [line.split(":")[1].split()[-1] for line in ignored] == [
         "--use-mcore-models", "--attention-backend", "--transformer-impl", "--return-log-probs",
@@ -107,4 +117,4 @@ def test_megatron_model_config_runs_as_an_ab_case(tmp_path, capfd):
     assert result["case"] == "gpt_dynamic_inference_tp1_pp1_tiny_prefix_caching_lru"
     assert [p["eviction_policy"] for p in result["policies"]] == ["lru"]
     assert len(result["requests"]) == 6 and result["bit_identical"] and result["failures"] == []
-    assert result["prefill_tokens_skipped"] > 0
+    assert result["prefill_tokens_skipped"] > 0 and result["unknown_args_allowed"] == ["--some-new-flag"]

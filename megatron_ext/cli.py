@@ -95,6 +95,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
             return 1
         _keep_log_after_error(log, args.keep_log)
         raise
+    if inputs.megatron_case is not None:
+        result.unknown_args_allowed = inputs.megatron_case.unknown_allowed
     _report_ab(args, result, output, rank)
     return result.exit_code()
 
@@ -120,7 +122,7 @@ def _ab_inputs(args: argparse.Namespace) -> tuple[RunInputs, Optional[Checkpoint
     check_device(args.device)
     check_output_files({"--json": args.json, "--plot": args.plot})
     inputs = read_case(args.case, args.device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                       args.load, args.tokenizer, args.tokenizer_library)
+                       args.load, args.tokenizer, args.tokenizer_library, args.allow_unknown_args)
     if inputs.megatron_case is not None and torchrun_world()[0] == 0:
         _print_megatron_mapping(inputs.megatron_case)
     inputs = resolve_requests(inputs, args.prompts, args.samples, args.num_tokens_to_generate, args.top_n_logprobs)
@@ -171,6 +173,8 @@ def _print_megatron_mapping(megatron_case: MegatronCase) -> None:
         print(f"megatron case: {arg}: {how}")
     for arg, why in megatron_case.ignored:
         print(f"megatron case: ignored {arg}: {why}")
+    for arg in megatron_case.unknown_allowed:
+        print(f"megatron case: ran without {arg}: not known to megatron-ext (--allow-unknown-args)")
 
 
 def _library_log(args: argparse.Namespace, command: str) -> Optional[Path]:
@@ -427,6 +431,10 @@ def _add_ab(sub: Any) -> None:
                       "A case without a model section builds the model from the checkpoint's Megatron-LM "
                       "args (as Megatron's --use-checkpoint-args); arguments it cannot build exit 2. "
                       "Any TP/PP layout loads any other (dist-checkpointing reshards)")
+    p_ab.add_argument("--allow-unknown-args", action="store_true",
+                      help="with a Megatron model_config.yaml: run without the arguments megatron-ext does not "
+                      "know (default: exit 2 naming them, since they may change the model or the engine); "
+                      "the verdict and --json name them")
     p_ab.add_argument("--update-from", metavar="DIR", action="append",
                       help="for a case with weight_updates of kind checkpoint: the checkpoint (same forms as "
                       "--load) loaded into the model at each weight update; once for every update, or "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import linecache
 import os
 import re
 import subprocess
@@ -223,8 +224,11 @@ def changed_prefix_match(monkeypatch):
     in megatron-core's own module (a function defined elsewhere is a foreign wrapper)."""
     owner = COMPUTE_PREFIX_MATCH.owner()
     namespace = {"original": owner.__dict__["_compute_prefix_match"], "__name__": COMPUTE_PREFIX_MATCH.module}
-    exec("def _compute_prefix_match(self, *args, **kwargs):\n"  # pragma: no cover - never called
-         "    return original(self, *args, **kwargs)\n", namespace)
+    source = ("def _compute_prefix_match(self, *args, **kwargs):\n"  # pragma: no cover - never called
+              "    return original(self, *args, **kwargs)\n")
+    filename = "<locally edited _compute_prefix_match>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # readable, as an edit is
+    exec(compile(source, filename, "exec"), namespace)
     monkeypatch.setattr(owner, "_compute_prefix_match", namespace["_compute_prefix_match"])
     yield
     # the patches that wrap _compute_prefix_match (H5, H1) wrapped the stand-in: off first, then

@@ -42,7 +42,6 @@ MODEL_ARGS = {
     "--prompts": ["Time travel to 2008.", "Time travel to 2009."],
     "--incoming-requests-per-step": 1,
     "--inference-repeat-n": 3,
-    "--some-new-flag": 7,
 }
 
 
@@ -73,8 +72,8 @@ def test_every_argument_is_mapped_or_listed_once(tmp_path):
     assert mc.tokenizer == ("TikTokenizer", "/ckpts/vocab.json")
     assert [arg for arg, _ in mc.ignored] == [
         "--use-mcore-models", "--attention-backend", "--return-log-probs",
-        "--inference-dynamic-batching-prefix-caching", "--output-path", "--some-new-flag"]
-    assert dict(mc.ignored)["--some-new-flag"].startswith("not known to megatron-ext")
+        "--inference-dynamic-batching-prefix-caching", "--output-path"]
+    assert mc.unknown_allowed == []
     assert [arg for arg, _ in mc.notes] == ["--inference-repeat-n", "--use-checkpoint-args"]
 
 
@@ -87,6 +86,19 @@ def test_model_flags_build_the_model_section_without_checkpoint_args(tmp_path):
             case.model.max_position_embeddings, case.model.params_dtype) == (2, 64, 4, 256, "bf16")
 
 
+def test_an_unknown_argument_exits_unless_allowed_and_is_then_named(tmp_path):
+    path = write(tmp_path, {**MODEL_ARGS, "--some-new-flag": 7, "--another-new-flag": True})
+    with pytest.raises(CaseFileError) as error:
+        load_megatron_case(path, environ={"CHECKPOINT_LOAD_PATH": "/c"})
+    assert str(error.value) == (
+        f"{path}: not known to megatron-ext: --some-new-flag, --another-new-flag; ab cannot tell whether they "
+        "change the model or the engine, so it would report on a model it may not have built: remove them from a "
+        "copy of the file, or run ab --allow-unknown-args (the verdict then names what it ran without)")
+    mc = load_megatron_case(path, environ={"CHECKPOINT_LOAD_PATH": "/c"}, allow_unknown=True)
+    assert mc.unknown_allowed == ["--some-new-flag", "--another-new-flag"]
+    assert "--some-new-flag" not in dict(mc.ignored)
+
+
 def test_block_size_defaults_to_megatrons(tmp_path):
     args = {k: v for k, v in MODEL_ARGS.items() if k != "--inference-dynamic-batching-block-size"}
     assert load_megatron_case(write(tmp_path, args), environ={"CHECKPOINT_LOAD_PATH": "/c"}).case.inference.block_size_tokens == 256
@@ -96,6 +108,12 @@ def test_block_size_defaults_to_megatrons(tmp_path):
     ({"--num-experts": 64, "--moe-router-topk": 2}, "refused: --num-experts (mixture-of-experts models are not "
                                                     "supported by ab); --moe-router-topk (mixture-of-experts"),
     ({"--fp16": True}, "refused: --fp16 (ab runs bf16 or fp32)"),
+    ({"--multi-latent-attention": True, "--q-lora-rank": 32, "--kv-lora-rank": 16},
+     "refused: --multi-latent-attention (multi-latent attention is not supported by ab); --q-lora-rank "
+     "(multi-latent attention is not supported by ab); --kv-lora-rank (multi-latent attention"),
+    ({"--mtp-num-layers": 1, "--num-speculative-tokens": 2},
+     "refused: --mtp-num-layers (multi-token prediction is not supported by ab); --num-speculative-tokens "
+     "(speculative decoding is not supported by ab)"),
     ({"--ckpt-format": "torch"}, "--ckpt-format torch: ab loads torch_dist checkpoints only"),
     ({"--incoming-requests-per-sec": 10}, "--incoming-requests-per-sec > 0 draws random arrival times"),
     ({"--inference-dynamic-batching-buffer-size-gb": 20}, "--inference-dynamic-batching-buffer-size-gb 20.0 would "

@@ -86,6 +86,9 @@ class ABResult:
     update_checkpoints: list[CheckpointSource] = field(default_factory=list)
     #: ``--trainer-logprobs``: the trainer forward's log-probs vs the engine's, per run; None: not asked
     trainer_logprobs: Optional[TrainerLogProbs] = None
+    #: ``--allow-unknown-args``: the Megatron case's arguments not known to megatron-ext that the
+    #: run went without (the verdict holds for the model built without them)
+    unknown_args_allowed: list[str] = field(default_factory=list)
 
     def weights(self) -> dict[str, Any]:
         """Where the weights came from: ``{"source": "checkpoint", "requested", "path",
@@ -207,6 +210,7 @@ class ABResult:
             "verdict": "pass" if not self.failures() else "fail",
             "failures": self.failures(),
             "warnings": self.warnings(),
+            "unknown_args_allowed": self.unknown_args_allowed,
             "num_requests": len(self.baseline.outputs),
             "kv_write_violations": self.total("kv_write_violations"),
             "refcount_violations": self.total("refcount_violations"),

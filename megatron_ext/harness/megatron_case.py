@@ -68,6 +68,10 @@ IGNORED = {
     "--tiktoken-pattern": "used with --tokenizer-type TikTokenizer only",
     "--model-provider": "ab builds a hybrid model when the file gives --hybrid-layer-pattern, else a GPT model",
     "--is-hybrid-model": "ab builds a hybrid model when the file gives --hybrid-layer-pattern",
+    "--inference-dynamic-batching-prefix-caching-coordinator-policy":
+        "ab runs one engine per layout, not data-parallel engines behind a coordinator",
+    "--inference-dynamic-batching-prefix-caching-routing-alpha":
+        "ab runs one engine per layout, not data-parallel engines behind a coordinator",
 }
 
 #: Argument prefixes and arguments that change the model or engine beyond what ab reproduces.
@@ -84,6 +88,13 @@ REFUSED = {
     "--hybrid-attention-ratio": "a layer pattern derived from ratios: give --hybrid-layer-pattern",
     "--hybrid-mlp-ratio": "a layer pattern derived from ratios: give --hybrid-layer-pattern",
     "--mtp-hybrid-override-pattern": "multi-token prediction is not supported by ab",
+    "--num-speculative-tokens": "speculative decoding is not supported by ab",
+    "--multi-latent-attention": "multi-latent attention is not supported by ab",
+    "--q-lora-rank": "multi-latent attention is not supported by ab",
+    "--kv-lora-rank": "multi-latent attention is not supported by ab",
+    "--qk-head-dim": "multi-latent attention is not supported by ab",
+    "--qk-pos-emb-head-dim": "multi-latent attention is not supported by ab",
+    "--v-head-dim": "multi-latent attention is not supported by ab",
     "--window-size": "sliding-window attention is not supported by the CPU backend",
     "--softmax-type": "only the default softmax is supported",
     "--fp16": "ab runs bf16 or fp32",
@@ -144,7 +155,9 @@ class MegatronCase:
             ``--tokenizer-model``, or None.
         tensor_model_parallel_size, pipeline_model_parallel_size: the layout the file asks for,
             None where it does not say (the command line's then holds).
-        ignored: ``(argument, why)`` for every argument that changes nothing ab compares.
+        ignored: ``(argument, why)`` for every argument known to change nothing ab compares.
+        unknown_allowed: arguments not known to megatron-ext that ``ab --allow-unknown-args`` let
+            the run go without (ab cannot tell whether they change the model or the engine).
         notes: ``(argument, how it was mapped)`` where Megatron's meaning differs from ab's.
     """
 
@@ -156,6 +169,7 @@ class MegatronCase:
     pipeline_model_parallel_size: Optional[int] = None
     ignored: list[tuple[str, str]] = field(default_factory=list)
     notes: list[tuple[str, str]] = field(default_factory=list)
+    unknown_allowed: list[str] = field(default_factory=list)
 
 
 def is_megatron_case_file(name_or_path: str) -> bool:
@@ -171,7 +185,7 @@ def is_megatron_case_file(name_or_path: str) -> bool:
 
 
 def load_megatron_case(path: Path, device: str = "cpu", environ: Optional[dict[str, str]] = None,
-                       load_given: bool = False) -> MegatronCase:
+                       load_given: bool = False, allow_unknown: bool = False) -> MegatronCase:
     """Read a Megatron ``model_config.yaml`` as an ``ab`` case.
 
     Args:
@@ -179,10 +193,13 @@ def load_megatron_case(path: Path, device: str = "cpu", environ: Optional[dict[s
         device: ``cpu`` or ``cuda`` (the KV buffer size is bounded on the CPU).
         environ: variables for ``${NAME}`` (default: the process environment).
         load_given: ``ab --load`` was given: the file's ``--load`` is not read (nor expanded).
+        allow_unknown: ``ab --allow-unknown-args``: arguments not known to megatron-ext are left
+            out (listed in ``unknown_allowed``) instead of refused.
 
     Raises:
         CaseFileError: ``MODE`` is not ``inference``; an argument is refused (all of them named in
-            one message, with why); a mapped value uses an unset variable or is malformed; the
+            one message, with why); an argument is not known to megatron-ext and ``allow_unknown``
+            is off (all of them named); a mapped value uses an unset variable or is malformed; the
             resulting case is invalid (field named).
     """
     data = yaml.safe_load(path.read_text())
@@ -198,7 +215,16 @@ def load_megatron_case(path: Path, device: str = "cpu", environ: Optional[dict[s
     reader = _ArgReader(path, args, environ if environ is not None else dict(os.environ))
     if load_given and "--load" in args:
         reader.skip("--load", "ab --load DIR given on the command line")
-    return _build(path, reader, device)
+    megatron_case = _build(path, reader, device)
+    unknown = reader.unknown()
+    if unknown and not allow_unknown:
+        raise CaseFileError(f"{path}: not known to megatron-ext: {', '.join(unknown)}; ab cannot tell whether "
+                            f"{'it changes' if len(unknown) == 1 else 'they change'} the model or the engine, "
+                            "so it would report on a model it may not have built: remove "
+                            f"{'it' if len(unknown) == 1 else 'them'} from a copy of the file, or run ab "
+                            "--allow-unknown-args (the verdict then names what it ran without)")
+    megatron_case.unknown_allowed = unknown
+    return megatron_case
 
 
 def _refusal(arg: str, args: dict[str, Any]) -> Optional[str]:
@@ -254,8 +280,15 @@ class _ArgReader:
         return _VARIABLE.sub(variable, value)
 
     def ignored(self) -> list[tuple[str, str]]:
-        unknown = "not known to megatron-ext: check it changes neither the model nor the engine"
-        return [(arg, self.skipped.get(arg) or IGNORED.get(arg, unknown)) for arg in self.args if arg not in self.used]
+        """``(argument, why)`` of the arguments left unread that are known to change nothing ab compares."""
+        return [(arg, self.skipped.get(arg) or IGNORED[arg]) for arg in self._unread() if arg in self.skipped or arg in IGNORED]
+
+    def unknown(self) -> list[str]:
+        """The arguments left unread that megatron-ext knows nothing about."""
+        return [arg for arg in self._unread() if arg not in self.skipped and arg not in IGNORED]
+
+    def _unread(self) -> list[str]:
+        return [arg for arg in self.args if arg not in self.used]
 
 
 #: Megatron's ``--tokenizer-type`` -> megatron-core's tokenizer library (megatron.core.tokenizers).
@@ -359,7 +392,9 @@ def _model(args: _ArgReader) -> dict[str, Any]:
     gqa = args.get("--group-query-attention", _flag, False)
     for arg, name in MODEL_FIELDS.items():
         if arg == "--num-query-groups" and not gqa:
-            continue  # Megatron-LM uses it only with --group-query-attention
+            if arg in args.args:
+                args.skip(arg, "Megatron-LM uses it only with --group-query-attention")
+            continue
         if arg in args.args:
             if name not in ModelSpec.model_fields:
                 raise CaseFileError(f"{args.path}: refused: {arg} (this megatron-ext's model section has no "

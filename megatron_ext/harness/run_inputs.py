@@ -53,10 +53,11 @@ class RunInputs:
 
 def read_case(case: str, device: str, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
               load: Optional[str] = None, tokenizer: Optional[str] = None,
-              tokenizer_library: Optional[str] = None) -> RunInputs:
+              tokenizer_library: Optional[str] = None, allow_unknown_args: bool = False) -> RunInputs:
     """The case of ``ab --case``: a shipped name, a case file, or a Megatron ``model_config.yaml``
     (its tokenizer, ``--load`` and layout hold where the command line gives none: ``ab --tokenizer``
-    and ``ab --load`` win, the file's layout wins over the command line's).
+    and ``ab --load`` win, the file's layout wins over the command line's). ``allow_unknown_args``:
+    a Megatron case's arguments not known to megatron-ext are left out instead of refused.
 
     Raises:
         CaseFileError: the case cannot be read (see :func:`~megatron_ext.harness.cases.load_case`,
@@ -67,7 +68,7 @@ def read_case(case: str, device: str, tensor_model_parallel_size: int = 1, pipel
     if not is_megatron_case_file(case):
         return RunInputs(load_case(case), tensor_model_parallel_size, pipeline_model_parallel_size, load,
                          tokenizer, tokenizer_library)
-    megatron_case = load_megatron_case(Path(case), device, load_given=load is not None)
+    megatron_case = load_megatron_case(Path(case), device, load_given=load is not None, allow_unknown=allow_unknown_args)
     if megatron_case.tokenizer is not None and tokenizer is None:
         tokenizer, tokenizer_library = megatron_tokenizer(megatron_case.tokenizer, case)
     if megatron_case.use_checkpoint_args and not (load or megatron_case.load):
