@@ -65,7 +65,8 @@ _SAVED: dict[str, object] = {}
 
 
 def via_global(inner):
-    """A module-level saved original, called by name (no closure, no __wrapped__)."""
+    """Originals saved in a module-level registry and looked up there at each call (no __wrapped__;
+    megatron-ext finds the original through the key's closure cell, not through the registry)."""
     _SAVED[inner.__name__] = inner
 
     def traced(self, *args, **kwargs):
