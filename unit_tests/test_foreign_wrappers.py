@@ -235,3 +235,27 @@ def test_a_wrapper_with_a_wrapped_chain_before_apply_is_seen_through(foreign, ct
     assert megatron_ext.invalidate_prefix_cache(ctx).blocks_unreachable == 2
     megatron_ext.revert()
     assert ADD_REQUEST.current() is before  # exactly what was there
+
+
+_original_add_request = None  # a tracer's saved original, a module global (no closure, no __wrapped__)
+
+
+def traced_add_request(self, *args, **kwargs):
+    CALLS.append("add_request")
+    return _original_add_request(self, *args, **kwargs)
+
+
+def test_an_original_saved_in_a_module_global_is_followed(foreign, ctx):
+    global _original_add_request
+    megatron_ext.apply()
+    foreign.wrap(ADD_REQUEST, lambda inner: traced_add_request)
+    _original_add_request = foreign.saved[-1][2]  # what the tracer replaced: megatron-ext's wrapper
+    try:
+        assert by_name(megatron_ext.status())["weight-update-invalidation"].reason == (
+            f"already applied by megatron-ext (wrapped by foreign code: {HERE}:traced_add_request)")
+        first = make_request(1, A)
+        ctx.add_request(first)
+        assert CALLS == ["add_request"] and books_of(first) is not None
+        assert megatron_ext.invalidate_prefix_cache(ctx).blocks_unreachable == 2
+    finally:
+        _original_add_request = None
