@@ -227,7 +227,7 @@ def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
     if not hasattr(context, "kv_block_allocator"):
         raise TypeError(f"invalidate_prefix_cache takes a DynamicInferenceEngine or DynamicInferenceContext, "
                         f"not {type(target).__name__}")
-    patch = next(p for p in ALL_PATCHES if p.name == "weight-update-invalidation")
+    patch = _weight_update_patch()
     with _LOCK:
         if patch.is_applied():
             return fault8.flush(context)
@@ -278,18 +278,22 @@ def token_weight_versions(request: Any) -> "TokenWeightVersions":
         return versions(request)
     except WeightVersionsNotRecorded as exc:
         with _LOCK:
-            bypassed = _bypassed(next(p for p in ALL_PATCHES if p.name == "weight-update-invalidation"))
+            bypassed = _bypassed(_weight_update_patch())
         if bypassed:
             raise WeightVersionsNotRecorded(f"{exc}; {bypassed}") from None
         raise
 
 
+def _weight_update_patch() -> Any:
+    """The ``weight-update-invalidation`` patch (fault 8) of :data:`ALL_PATCHES`."""
+    return next(p for p in ALL_PATCHES if p.name == "weight-update-invalidation")
+
+
 def _bypassed(patch: Any) -> str:
     """A sentence naming the foreign code that bypasses an installed patch's wrappers, or ``""``."""
-    lost = patch.bypassed()
-    if not lost:
+    where = patch.bypass_summary()
+    if not where:
         return ""
-    where = "; ".join(f"{target.qualname} is now {name}" for target, name in lost.items())
     return (f"the {patch.name} patch was applied, but foreign code replaced its wrapper without calling through "
             f"to it, so megatron-ext no longer sees weight updates there ({where}); make that code call the "
             "function it replaced, or remove it")

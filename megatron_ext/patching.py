@@ -375,6 +375,10 @@ class Patch(ABC):
         # megatron-core's own function back in place (its module reloaded) is "not applied", not foreign
         return {target: foreign.describe(obj) for target, obj in lost.items() if not foreign.defined_in_megatron(obj)}
 
+    def bypass_summary(self) -> str:
+        """:meth:`bypassed` in words (``"Cls.m is now module:qualname; ..."``), or ``""``."""
+        return "; ".join(f"{target.qualname} is now {name}" for target, name in self.bypassed().items())
+
     def _layers_above(self, target: Target) -> list[Any] | None:
         """The objects over this patch's wrapper of ``target``, outermost first; None if unreachable."""
         layers, mine = wrapper_chain(target), self._installed[target]
@@ -384,9 +388,8 @@ class Patch(ABC):
         """What :meth:`plan` says of an installed patch: APPLIED, naming foreign wrappers over it,
         or REFUSED where foreign code bypasses it (apply() cannot put it back over that code);
         None where megatron-core's own function is back (planned as if never installed)."""
-        lost = self.bypassed()
-        if lost:
-            where = "; ".join(f"{t.qualname} is now {name}" for t, name in lost.items())
+        where = self.bypass_summary()
+        if where:
             return self.result(PatchState.REFUSED, f"applied, but foreign code replaced megatron-ext's wrapper "
                                f"without calling through to it, so the fix does not run ({where}); make that code "
                                "call the function it replaced, or remove it")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from rich.markup import escape
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .ab import ABResult, PolicyResult
