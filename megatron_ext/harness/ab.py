@@ -152,6 +152,13 @@ class ABResult:
             problems.append(
                 f"{FAULT_OF_KIND['mamba_restore']}: {self.total('mamba_restore_violations')} hybrid requests "
                 "skipped prefill tokens without their Mamba state restored")
+        if self.total("routing_replay_violations"):
+            examples = next((run.audit.examples.get("routing_replay") for run in self.runs
+                             if run.audit.examples.get("routing_replay")), [])
+            problems.append(
+                f"routing replay (megatron-core's per-block MoE routing, no patch): "
+                f"{self.total('routing_replay_violations')} violations"
+                + (f", first: {examples[0]}" if examples else ""))
         problems.extend(self._update_mismatches())
         if self.trainer_logprobs is not None:
             problems.extend(self.trainer_logprobs.failures())
@@ -212,6 +219,7 @@ class ABResult:
             "warnings": self.warnings(),
             "unknown_args_allowed": self.unknown_args_allowed,
             "num_requests": len(self.baseline.outputs),
+            "model_features": self.case.model.features,
             "kv_write_violations": self.total("kv_write_violations"),
             "refcount_violations": self.total("refcount_violations"),
             "lru_violations": self.total("lru_violations"),
@@ -220,6 +228,11 @@ class ABResult:
                 "mamba_restores": self.total("mamba_restores"),
                 "mamba_restores_failed": self.total("mamba_restores_failed"),
                 "mamba_restore_violations": self.total("mamba_restore_violations")}),
+            **({} if "routing_replay" not in self.case.model.features else {
+                "routing_replay_violations": self.total("routing_replay_violations"),
+                "routing_tokens_checked": self.total("routing_tokens_checked"),
+                "block_routing_max_entries": max(
+                    [r.audit.block_routing_max_entries for r in self.runs] or [0])}),
             "weight_updates": (None if self.case.weight_updates is None else
                                {**self.case.weight_updates.model_dump(), "rounds": self.case.weight_updates.rounds,
                                 "checkpoints": [c.path for c in self.update_checkpoints]
@@ -280,6 +293,8 @@ def _output_json(output: RequestOutput) -> dict[str, Any]:
         fields["top_n_logprobs"] = output.top_n_logprobs
     if output.weight_versions is not None:  # recorded by the weight-update patch
         fields["weight_versions"] = output.weight_versions
+    if output.routing is not None:  # routing replay: the request's expert IDs per token and layer
+        fields["routing"] = output.routing
     return fields
 
 

@@ -30,6 +30,11 @@ class RequestOutput:
         weight_versions: per generated token, the weight version of its logits (``"logits"``) and
             the oldest one of its KV prefix (``"kv_prefix"``)
             (:func:`megatron_ext.token_weight_versions`); None where not recorded.
+        routing: a mixture-of-experts model with routing replay: megatron-core's
+            ``routing_indices`` of the request, the expert IDs each token was routed to,
+            ``[prompt + generated - 1][moe layers][topk]`` (ints); None where megatron-core returned
+            none (routing replay off, or a request it evicted: it reconstructs routing only for a
+            request never evicted).
     """
 
     request_id: int
@@ -40,6 +45,7 @@ class RequestOutput:
     token_steps: list[int] = field(default_factory=list)
     top_n_logprobs: Optional[list[list[tuple[str, float]]]] = None
     weight_versions: Optional[dict[str, list[int]]] = None
+    routing: Optional[list[list[list[int]]]] = None
 
     @property
     def versions(self) -> list[int]:
@@ -56,6 +62,8 @@ class RequestDiff:
         log_probs_equal: same log-prob bits for every generated token (and same count).
         top_n_logprobs_equal: same top-n entries (text and log-prob bits, in order) for every
             generated token, or None when top-n log-probs were not recorded.
+        routing_equal: same expert IDs for every token and MoE layer (routing replay), or None
+            when neither run recorded routing (one run recording it and the other not differs).
         first_divergent_position: index of the first generated token whose token or log-prob
             bits differ, or None.
         first_divergent_step: B's engine step of that token, or None.
@@ -72,10 +80,12 @@ class RequestDiff:
     first_divergent_step: Optional[int]
     max_abs_delta_log_prob: float
     abs_delta_log_prob: list[float]
+    routing_equal: Optional[bool] = None
 
     @property
     def identical(self) -> bool:
-        return self.tokens_equal and self.log_probs_equal and self.top_n_logprobs_equal is not False
+        return (self.tokens_equal and self.log_probs_equal and self.top_n_logprobs_equal is not False
+                and self.routing_equal is not False)
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -122,6 +132,7 @@ def compare_request(a: RequestOutput, b: RequestOutput) -> RequestDiff:
         first_divergent_step=(b.token_steps[first] if first is not None and first < len(b.token_steps) else None),
         max_abs_delta_log_prob=max(finite, default=0.0),
         abs_delta_log_prob=deltas,
+        routing_equal=None if a.routing is None and b.routing is None else a.routing == b.routing,
     )
 
 

@@ -89,7 +89,10 @@ def transformer_config(case: Case) -> Any:
     ``layernorm_epsilon``); the RoPE and bias-activation fusions are always off (they need
     Transformer Engine or a GPU compiler). A hybrid model (``hybrid_layer_pattern``) also gets
     the case's Mamba sizes (``mamba_state_dim``, ``mamba_head_dim``, ``mamba_num_groups``,
-    ``mamba_num_heads``).
+    ``mamba_num_heads``). A mixture-of-experts model (``num_experts``) gets megatron-core's
+    ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size`` (the case's, else the dense
+    MLP's width), ``moe_enable_routing_replay`` and load balancing ``none`` (no auxiliary loss:
+    inference only).
     """
     module = mcore.import_module("megatron.core.transformer.transformer_config")
     spec = case.model
@@ -103,6 +106,11 @@ def transformer_config(case: Case) -> Any:
     if spec.is_hybrid:
         optional.update(mamba_state_dim=spec.mamba_state_dim, mamba_head_dim=spec.mamba_head_dim,
                         mamba_num_groups=spec.mamba_num_groups, mamba_num_heads=spec.mamba_num_heads)
+    if spec.is_moe:
+        optional.update(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_router_topk,
+                        moe_ffn_hidden_size=moe_ffn_hidden_size(spec),
+                        moe_enable_routing_replay=spec.moe_enable_routing_replay,
+                        moe_router_load_balancing_type="none")
     return module.TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -124,6 +132,44 @@ def transformer_config(case: Case) -> Any:
         pipeline_model_parallel_size=pp,
         **optional,
     )
+
+
+def moe_ffn_hidden_size(spec: Any) -> int:
+    """Width (elements) of each expert's MLP: ``spec.moe_ffn_hidden_size``, else the dense MLP's
+    (:meth:`~megatron_ext.harness.cases.ModelSpec.effective_ffn_hidden_size`, else ``4 * hidden_size``)."""
+    if spec.moe_ffn_hidden_size is not None:
+        return spec.moe_ffn_hidden_size
+    return spec.effective_ffn_hidden_size() or 4 * spec.hidden_size
+
+
+def router_replay_class() -> Any:
+    """megatron-core's ``RouterReplay`` (transformer/moe/router_replay.py, 0.17+)."""
+    return mcore.import_module("megatron.core.transformer.moe.router_replay").RouterReplay
+
+
+def router_replays(model: Any) -> list[Any]:
+    """The ``RouterReplay`` objects of ``model``'s MoE routers, in layer order ([] for a model
+    without routing replay)."""
+    found = []
+    for module in model.modules():
+        replay = getattr(module, "router_replay", None)
+        if replay is not None and replay not in found:
+            found.append(replay)
+    return found
+
+
+def use_router_replays(model: Any) -> None:
+    """Make ``model``'s routers the only ones megatron-core records from.
+
+    megatron-core keeps every ``RouterReplay`` ever constructed in one class-level list
+    (``RouterReplay.global_router_replay_instances``) and the inference controller stacks the
+    recordings of all of them, so a second model built in the same process (a test, a trainer
+    copy) adds its layers to the first model's routing (or a shape error). The harness sets that
+    list to ``model``'s routers before each run; a model without routing replay leaves it alone.
+    """
+    replays = router_replays(model)
+    if replays:
+        router_replay_class().global_router_replay_instances[:] = replays
 
 
 def build_model(case: Case) -> Any:
@@ -160,11 +206,14 @@ def build_model(case: Case) -> Any:
         model = build_hybrid_model(spec, **shared)
     else:
         layer_options = {} if spec.normalization == "LayerNorm" else {"normalization": spec.normalization}
+        if spec.is_moe:
+            layer_options["num_experts"] = spec.num_experts
         model = gpt_model.GPTModel(
             transformer_layer_spec=layer_specs.get_gpt_layer_local_spec(
                 qk_layernorm=spec.qk_layernorm, **layer_options),
             **shared,
         )
+    use_router_replays(model)
     return model.to(TORCH_DTYPES[case.model.params_dtype]).eval()
 
 
@@ -223,6 +272,7 @@ def build_engine(model: Any, case: Case, prefix_caching: bool, eviction_policy: 
         ssm, conv = case.model.mamba_ssm_states_dtype, case.model.mamba_conv_states_dtype
         mamba = mamba_inference_state_config(model, None if ssm is None else TORCH_DTYPES[ssm],
                                              None if conv is None else TORCH_DTYPES[conv])
+    use_router_replays(model)
     context = dynamic_context.DynamicInferenceContext(
         model.config, inference_config(case, prefix_caching, eviction_policy, mamba))
     wrapped = wrapper.GPTInferenceWrapper(model, context)

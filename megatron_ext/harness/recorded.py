@@ -123,7 +123,8 @@ def load_runs(path: Path) -> dict[str, RecordedRun]:
 
 def _outputs(run: dict[str, Any]) -> dict[int, RequestOutput]:
     return {int(rid): RequestOutput(int(rid), o["label"], 0, list(o["tokens"]), [float(x) for x in o["log_probs"]],
-                                    list(o["token_steps"]), _top_n(o.get("top_n_logprobs")), o.get("weight_versions"))
+                                    list(o["token_steps"]), _top_n(o.get("top_n_logprobs")), o.get("weight_versions"),
+                                    o.get("routing"))
             for rid, o in run["outputs"].items()}
 
 

@@ -127,6 +127,14 @@ def _finish(output: RequestOutput, record: Any) -> None:
         # dicts keyed by token text, in the engine's order (largest first)
         output.top_n_logprobs = [[(str(k), float(v)) for k, v in entry.items()]
                                  for entry in (merged.generated_top_n_logprobs or [])]
+    routing = getattr(merged, "routing_indices", None)
+    output.routing = None if routing is None else _as_int_lists(routing)
+
+
+def _as_int_lists(routing: Any) -> list[list[list[int]]]:
+    """megatron-core's ``routing_indices`` (a numpy array in 0.18+, a torch tensor in 0.17;
+    ``[tokens, layers, topk]`` of int16/int32) as nested Python ints."""
+    return [[[int(e) for e in layer] for layer in token] for token in routing.tolist()]
 
 
 def _weight_versions(record: Any) -> Optional[dict[str, list[int]]]:

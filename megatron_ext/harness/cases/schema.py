@@ -75,6 +75,14 @@ class ModelSpec(StrictModel):
       its prefix-cache snapshots) and ``mamba_conv_states_dtype`` (of the inference conv state and
       its snapshots); None: megatron-core's default, ``params_dtype`` (Megatron-LM's
       ``--mamba-inference-*-states-dtype`` default to bf16 instead).
+    * Mixture of experts (GPT models only; Megatron-LM's ``--num-experts``, ``--moe-router-topk``,
+      ``--moe-ffn-hidden-size``, ``--moe-enable-routing-replay``): ``num_experts`` routed experts
+      in every layer's MLP (megatron-core's ``MoELayer`` with ``SequentialMLP`` experts, the local
+      spec; None: a dense MLP), each token routed to ``moe_router_topk`` of them; each expert's MLP
+      is ``moe_ffn_hidden_size`` wide (None: :meth:`effective_ffn_hidden_size`, else
+      ``4 * hidden_size``). ``moe_enable_routing_replay``: megatron-core records every token's
+      expert choices and returns them per request (``routing_indices``, ``[tokens - 1, layers,
+      topk]``), which ``ab`` compares and audits. Load balancing is off (``none``: inference).
     """
 
     num_layers: int = Field(2, ge=1)
@@ -106,6 +114,10 @@ class ModelSpec(StrictModel):
     mamba_chunk_size: int = Field(128, ge=1)
     mamba_ssm_states_dtype: Optional[Literal["fp32", "bf16"]] = None
     mamba_conv_states_dtype: Optional[Literal["fp32", "bf16"]] = None
+    num_experts: Optional[int] = Field(None, ge=2)
+    moe_router_topk: int = Field(2, ge=1)
+    moe_ffn_hidden_size: Optional[int] = Field(None, ge=8)
+    moe_enable_routing_replay: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -145,6 +157,35 @@ class ModelSpec(StrictModel):
         if heads % self.mamba_num_groups:
             raise ValueError(f"mamba_num_groups={self.mamba_num_groups} must divide mamba_num_heads={heads}")
         return self
+
+    @model_validator(mode="after")
+    def _moe(self) -> "ModelSpec":
+        moe_fields = sorted(f for f in self.model_fields_set if f.startswith("moe_")
+                            and getattr(self, f) != type(self).model_fields[f].default)
+        if self.num_experts is None:
+            if moe_fields:
+                raise ValueError(f"{', '.join(moe_fields)} {'applies' if len(moe_fields) == 1 else 'apply'} "
+                                 "to mixture-of-experts models only; set num_experts (e.g. 4) or remove them")
+            return self
+        if self.is_hybrid:
+            raise ValueError("num_experts with hybrid_layer_pattern: megatron-ext builds mixture-of-experts "
+                             "layers for GPT models only; drop one of them")
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(f"moe_router_topk={self.moe_router_topk} is more than num_experts="
+                             f"{self.num_experts}; a token cannot be routed to more experts than exist")
+        return self
+
+    @property
+    def is_moe(self) -> bool:
+        """A mixture-of-experts model: ``num_experts`` is set."""
+        return self.num_experts is not None
+
+    @property
+    def features(self) -> list[str]:
+        """What the model is beyond a dense GPT, for reports: ``"hybrid"``, ``"moe"``,
+        ``"routing_replay"`` (in that order; [] for a dense GPT)."""
+        return ([name for name, on in (("hybrid", self.is_hybrid), ("moe", self.is_moe),
+                                        ("routing_replay", self.is_moe and self.moe_enable_routing_replay)) if on])
 
     @property
     def is_hybrid(self) -> bool:
