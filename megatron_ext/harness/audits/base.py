@@ -19,7 +19,8 @@ class Violation:
 
     Attributes:
         kind: ``kv_write``, ``ref_count``, ``free_pool``, ``drain``, ``block_table``,
-            ``prefix_chain``, ``child_count``, ``stale_hit`` or ``mamba_restore`` (see :data:`FAULT_OF_KIND`).
+            ``prefix_chain``, ``child_count``, ``stale_hit``, ``mamba_restore`` (see :data:`FAULT_OF_KIND`) or
+            ``routing_replay`` (MoE per-block routing; no patch, so not in :data:`FAULT_OF_KIND`).
         step: engine step (0-based) at which it was seen.
         block: the KV block ID concerned (-1: none, a ``mamba_restore`` skip with no restore attempt).
         request_id: the request concerned (``kv_write``, ``block_table``, ``stale_hit`` and

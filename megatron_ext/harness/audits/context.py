@@ -6,8 +6,9 @@ and the attention layer ``context.append_key_value_cache``; the allocator's
 top of whatever class-level code is installed (patched or not) and is removed with
 :meth:`ContextAudit.detach`. It feeds one module per invariant: :mod:`.kv_writes` (fault 2),
 :mod:`.ref_counts` (fault 1), :mod:`.lru` (faults 3-5), :mod:`.stale_hits` (fault 8), :mod:`.mamba_snapshots` (hybrid models:
-the Mamba state restores, fault H1; through the Mamba slot allocator's ``restore_to_live``), and
-:mod:`.pool` (pool pressure and prefix-cache counters, measured, not checked).
+the Mamba state restores, fault H1; through the Mamba slot allocator's ``restore_to_live``),
+:mod:`.routing_replay` (MoE models with routing replay: through the allocator's ``store_routing_per_block``,
+``reconstruct_routing_from_blocks`` and ``reset``), and :mod:`.pool` (pool pressure and prefix-cache counters, measured, not checked).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .lru import LRUAudit
 from .mamba_snapshots import MambaSnapshotAudit
 from .pool import PoolAudit, PoolPressure, PrefixCacheCounters
 from .ref_counts import RefCountAudit
+from .routing_replay import RoutingReplayAudit
 from .stale_hits import StaleHitAudit
 
 
@@ -45,6 +47,13 @@ class AuditSummary:
             Mamba prefix cache).
         mamba_restores_failed: of those, the ones that found no snapshot.
         mamba_restore_log: every restore as ``{step, request_id, block, tokens_skipped, restored}``.
+        routing_replay_violations: MoE routing replay: positions whose replayed expert IDs are missing,
+            stale, of another token, or differ from the request's own forward; a ``block_routing``
+            larger than the pool (:mod:`.routing_replay`).
+        routing_tokens_checked: positions of reconstructed ``routing_indices`` checked.
+        routing_reconstructions: ``reconstruct_routing_from_blocks`` calls checked.
+        block_routing_max_entries: the most blocks ``block_routing`` held after a step (0: no
+            routing replay, or a release without per-block routing).
         steps_checked: steps whose ref counts were checked.
         examples: violation kind -> its first three violations as ``step N: detail`` lines.
     """
@@ -60,6 +69,10 @@ class AuditSummary:
     mamba_restores: int = 0
     mamba_restores_failed: int = 0
     mamba_restore_log: list[dict] = field(default_factory=list)
+    routing_replay_violations: int = 0
+    routing_tokens_checked: int = 0
+    routing_reconstructions: int = 0
+    block_routing_max_entries: int = 0
     steps_checked: int = 0
     examples: dict[str, list[str]] = field(default_factory=dict)
 
@@ -83,6 +96,7 @@ class ContextAudit:
         self.pool = PoolAudit(self.log)
         self.stale = StaleHitAudit(self.log)
         self.mamba = MambaSnapshotAudit(self.log)
+        self.routing = RoutingReplayAudit(self.log)
         self.steps_checked = 0
         self._allocator = None
         self._mamba_slots = None
@@ -115,6 +129,7 @@ class ContextAudit:
             row, finished = ctx.total_request_count, req.finished_chunk_token_count
             self.stale.begin_add_request(req.request_id, finished)
             self.mamba.begin_add_request(req.request_id)
+            self.routing.prompt(req.request_id, req.prompt_tokens)
             chunk = req.remaining_prompt_length if prefill_chunk_length is None else prefill_chunk_length
             first_token = ctx.active_token_count
             try:
@@ -163,9 +178,31 @@ class ContextAudit:
             blocks = allocate(num_blocks, *args, **kwargs)
             if blocks is not None:
                 self.kv_writes.allocated(blocks.tolist())
+                self.routing.allocated(blocks.tolist())
             return blocks
 
         allocator.allocate_memory_blocks = audited_allocate
+        if hasattr(allocator, "store_routing_per_block"):  # 0.18+: per-block MoE routing
+            store, rebuild, reset = (allocator.store_routing_per_block, allocator.reconstruct_routing_from_blocks,
+                                     allocator.reset)
+
+            def audited_store(flat_routing, *args, **kwargs):
+                self.routing.stored(self.context, flat_routing)
+                return store(flat_routing, *args, **kwargs)
+
+            def audited_rebuild(block_ids, total_routing_tokens, *args, **kwargs):
+                result = rebuild(block_ids, total_routing_tokens, *args, **kwargs)
+                self.routing.reconstructed(list(block_ids), int(total_routing_tokens),
+                                           int(self.context.block_size_tokens), result)
+                return result
+
+            def audited_reset(*args, **kwargs):
+                self.routing.reset()
+                return reset(*args, **kwargs)
+
+            allocator.store_routing_per_block = audited_store
+            allocator.reconstruct_routing_from_blocks = audited_rebuild
+            allocator.reset = audited_reset
         if hasattr(allocator, "register_kv_block_hashes"):  # every release 0.17-0.19
             register = allocator.register_kv_block_hashes
 
@@ -197,13 +234,15 @@ class ContextAudit:
         if self.context.kv_block_allocator is not self._allocator:
             self._detach_allocator()
             self.stale.allocator_replaced()
+            self.routing.reset()
             self._attach_allocator()
         if getattr(self.context, "mamba_slot_allocator", None) is not self._mamba_slots:
             self._detach_mamba_slots()
             self._attach_mamba_slots()
 
     def _detach_allocator(self) -> None:
-        for name in ("allocate_memory_blocks", "register_kv_block_hashes", "_deregister_blocks", "evict_lru_blocks"):
+        for name in ("allocate_memory_blocks", "register_kv_block_hashes", "_deregister_blocks", "evict_lru_blocks",
+                     "store_routing_per_block", "reconstruct_routing_from_blocks", "reset"):
             self._allocator.__dict__.pop(name, None)
 
     def detach(self) -> None:
@@ -226,6 +265,7 @@ class ContextAudit:
         owners = self.log.owner_counts()
         self.pool.end_step(owners)
         self.mamba.end_step()
+        self.routing.end_step(self.context.kv_block_allocator)
         if self.check_ref_counts:
             self.ref_counts.check(owners)
             self.lru.check()
@@ -266,6 +306,10 @@ class ContextAudit:
             mamba_restores=len(self.mamba.restores),
             mamba_restores_failed=self.mamba.failed(),
             mamba_restore_log=self.mamba.records(),
+            routing_replay_violations=self.count("routing_replay"),
+            routing_tokens_checked=self.routing.tokens_checked,
+            routing_reconstructions=self.routing.reconstructions,
+            block_routing_max_entries=self.routing.max_entries,
             steps_checked=self.steps_checked,
             examples={k: lines[:3] for k, lines in first.items()},
         )
