@@ -45,13 +45,13 @@ EXPECTED_STATUS = {
              "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "not needed",
              "mamba-conv-carry": "applicable",
              "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable",
-             "mamba-decode-no-dummy": "applicable"},
+             "mamba-decode-no-dummy": "applicable", "routing-per-block": "applicable"},
     "0.18": {**_FAULTS_017_018, "mamba-chunk-size": "not needed", "mamba-snapshot-offsets": "applicable",
              "mamba-slot-exhaustion": "applicable",
              "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "applicable",
              "mamba-conv-carry": "applicable",
              "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable",
-             "mamba-decode-no-dummy": "applicable"},
+             "mamba-decode-no-dummy": "applicable", "routing-per-block": "not needed"},
     "0.19": {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
@@ -68,6 +68,7 @@ EXPECTED_STATUS = {
         "mamba-continuation-skip": "applicable",
         "mamba-aligned-chunks": "applicable",
         "mamba-decode-no-dummy": "applicable",
+        "routing-per-block": "not needed",
     },
 }
 TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL)
@@ -117,6 +118,7 @@ def test_status_per_release(mcore_series):
         assert "evicted [[1]] (leaf first, as Megatron-LM #5822)" in eviction
         assert "block 0 child count 2" in register  # the probe saw the double count
         assert "takes potential_matched_count" in pin_first
+        assert "store_routing_per_block exists" in by_name(results, "routing-per-block").evidence
         assert "keeps the snapshot at token 32" in offsets
     else:
         assert "ref count 1" in refcount.evidence  # the probe saw the leak
@@ -382,6 +384,7 @@ FAULT_IDS = {
     "mamba-clamp-restore": "H1", "mamba-chunk-size": "H3", "mamba-snapshot-offsets": "H4",
     "mamba-match-in-chunk": "H5", "mamba-slot-exhaustion": "H6", "mamba-conv-carry": "H7",
     "mamba-continuation-skip": "H8", "mamba-aligned-chunks": "H9", "mamba-decode-no-dummy": "H10",
+    "routing-per-block": "R1",
 }
 
 
@@ -431,23 +434,26 @@ def test_environment_variable_applies_at_import_with_no_code_change():
     assert "megatron-ext" not in untouched.stderr
 
 
-def test_environment_variable_applies_the_engine_patch_once_the_engine_is_imported():
+def test_environment_variable_applies_the_engine_patch_once_the_engine_is_imported(mcore_series):
     # The engine module imports the context half-way through its own import, so the context's
     # hook runs with the engine half-defined (importing it from there fails on megatron-core's
-    # circular imports): the engine's patch waits, a hook on the engine module applies it.
+    # circular imports): the patches of the engine and its controller wait, a hook on the engine
+    # module decides them.
     code = ("from megatron.core.inference.engines import DynamicInferenceEngine as E; " + CHECK_WRAPPED
             + "; print(getattr(E.__dict__['post_process_requests'], '_self_megatron_ext_patch', None))")
     done = run_python(code, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["weight-update-invalidation", "top-n-prefill-chunks"]
     lines = [line for line in done.stderr.splitlines() if line.startswith("megatron-ext: ")]
-    assert len(lines) == len(ALL_PATCHES) + 2  # each patch once, the engine's two twice
-    for name in ("top-n-prefill-chunks", "mamba-aligned-chunks"):
+    waiting = ("top-n-prefill-chunks", "routing-per-block", "mamba-aligned-chunks")
+    assert len(lines) == len(ALL_PATCHES) + len(waiting)  # each patch once, the waiting ones twice
+    for name in waiting:
+        decided = EXPECTED_STATUS[mcore_series][name].replace("applicable", "applied")
         engine = [line for line in lines if line.startswith(f"megatron-ext: {name}: ")]
         assert len(engine) == 2
         assert engine[0].startswith(f"megatron-ext: {name}: not applied (megatron-core is being")
-        assert engine[1].startswith(f"megatron-ext: {name}: applied (")
-        assert engine[1] in lines[-2:]  # once the engine module is imported, after every other patch
+        assert engine[1].startswith(f"megatron-ext: {name}: {decided} (")
+        assert engine[1] in lines[-len(waiting):]  # once the engine module is imported, after every other patch
 
 
 HEAVY_MODULES_LOADED = (  # wrapt: its import alone was 0.09 s, 6x a bare Python start-up
