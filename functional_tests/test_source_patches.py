@@ -66,7 +66,8 @@ def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(ver
             "weight-update-invalidation", "top-n-prefill-chunks", "deregister-own-hash",
             "mamba-chunk-size", "mamba-snapshot-offsets", "mamba-slot-exhaustion",
             "mamba-match-in-chunk", "mamba-clamp-restore", "mamba-conv-carry",
-            "mamba-continuation-skip", "mamba-aligned-chunks", "mamba-decode-no-dummy")}
+            "mamba-continuation-skip", "mamba-aligned-chunks", "mamba-decode-no-dummy",
+            "routing-per-block", "routing-finished-blocks")}
     tests = run_with(tree, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                      "unit_tests/test_release_refcount.py", "unit_tests/test_matched_block_writes.py",
                      "unit_tests/test_faults.py", "unit_tests/test_lru_faults.py",
@@ -75,7 +76,8 @@ def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(ver
                      "unit_tests/test_mamba_snapshot_offsets.py", "unit_tests/test_mamba_slot_exhaustion.py",
                      "unit_tests/test_mamba_match_in_chunk.py", "unit_tests/test_mamba_clamp_restore.py",
                      "unit_tests/test_mamba_conv_carry.py", "unit_tests/test_mamba_continuation_skip.py",
-                     "unit_tests/test_mamba_aligned_chunks.py", "unit_tests/test_mamba_decode_no_dummy.py")
+                     "unit_tests/test_mamba_aligned_chunks.py", "unit_tests/test_mamba_decode_no_dummy.py",
+                     "unit_tests/test_routing_per_block.py")
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and "failed" not in tests.stdout
 

@@ -45,13 +45,15 @@ EXPECTED_STATUS = {
              "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "not needed",
              "mamba-conv-carry": "applicable",
              "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable",
-             "mamba-decode-no-dummy": "applicable", "routing-per-block": "applicable"},
+             "mamba-decode-no-dummy": "applicable", "routing-per-block": "applicable",
+             "routing-finished-blocks": "not needed"},
     "0.18": {**_FAULTS_017_018, "mamba-chunk-size": "not needed", "mamba-snapshot-offsets": "applicable",
              "mamba-slot-exhaustion": "applicable",
              "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "applicable",
              "mamba-conv-carry": "applicable",
              "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable",
-             "mamba-decode-no-dummy": "applicable", "routing-per-block": "not needed"},
+             "mamba-decode-no-dummy": "applicable", "routing-per-block": "not needed",
+             "routing-finished-blocks": "applicable"},
     "0.19": {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
@@ -69,6 +71,7 @@ EXPECTED_STATUS = {
         "mamba-aligned-chunks": "applicable",
         "mamba-decode-no-dummy": "applicable",
         "routing-per-block": "not needed",
+        "routing-finished-blocks": "applicable",
     },
 }
 TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL)
@@ -384,7 +387,7 @@ FAULT_IDS = {
     "mamba-clamp-restore": "H1", "mamba-chunk-size": "H3", "mamba-snapshot-offsets": "H4",
     "mamba-match-in-chunk": "H5", "mamba-slot-exhaustion": "H6", "mamba-conv-carry": "H7",
     "mamba-continuation-skip": "H8", "mamba-aligned-chunks": "H9", "mamba-decode-no-dummy": "H10",
-    "routing-per-block": "R1",
+    "routing-per-block": "R1", "routing-finished-blocks": "R2",
 }
 
 

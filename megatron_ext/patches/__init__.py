@@ -17,6 +17,7 @@ from .mamba_slot_exhaustion import MambaSlotExhaustionPatch
 from .mamba_snapshot_offsets import MambaSnapshotOffsetsPatch
 from .matched_block_writes import MatchedBlockWritesPatch
 from .release_refcount import ReleaseRefcountPatch
+from .routing_finished_blocks import RoutingFinishedBlocksPatch
 from .routing_per_block import RoutingPerBlockPatch
 from .weight_update_invalidation import WeightUpdateInvalidationPatch
 from .top_n_prefill_chunks import TopNPrefillChunksPatch
@@ -33,6 +34,7 @@ ALL_PATCHES: tuple[Patch, ...] = (
     TopNPrefillChunksPatch(),
     DeregisterOwnHashPatch(),
     RoutingPerBlockPatch(),
+    RoutingFinishedBlocksPatch(),
     MambaChunkSizePatch(),
     MambaSnapshotOffsetsPatch(),
     MambaSlotExhaustionPatch(),
