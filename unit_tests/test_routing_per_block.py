@@ -1,4 +1,4 @@
-"""Fault R1: a prefix-cached MoE request's ``routing_indices`` must cover its matched prefix.
+"""Faults R1 and R2: every MoE request's ``routing_indices`` cover every token it has.
 
 A 2-layer MoE GPT (4 experts, top-2, routing replay on, greedy sampling) on megatron-core's real
 engine (CPU backend), chunked prefill of at most 64 tokens, REF_ZERO:
@@ -10,8 +10,11 @@ engine (CPU backend), chunked prefill of at most 64 tokens, REF_ZERO:
 
 Every request's ``routing_indices`` has ``prompt + generated - 1`` rows, and they are the ones
 the same request gets with prefix caching off (so request 1's equal request 0's, and request 2's
-first 32 equal request 0's). Released 0.17 (``MEGATRON_EXT_TEST_UNPATCHED=1``) returns 5 rows
-for request 1 and 104 for request 2; 0.18+ store routing per KV block themselves.
+first 32 equal request 0's). Released code (``MEGATRON_EXT_TEST_UNPATCHED=1``) fails both ways:
+0.17 (R1) returns 21 rows for request 1 and 103 for request 2 with caching on (their matched
+prefixes left out); 0.18 and 0.19 (R2) return None for request 0 with caching off (it finishes
+in the step its last block, freed, is allocated to request 1, and the allocation drops the
+block's routing).
 """
 
 from __future__ import annotations
