@@ -13,7 +13,7 @@ the same request gets with prefix caching off (so request 1's equal request 0's,
 first 32 equal request 0's). Released code (``MEGATRON_EXT_TEST_UNPATCHED=1``) fails both ways:
 0.17 (R1) returns 21 rows for request 1 and 103 for request 2 with caching on (their matched
 prefixes left out); 0.18 and 0.19 (R2) return None for request 0 with caching off (it finishes
-in the step its last block, freed, is allocated to request 1, and the allocation drops the
+in the step its last block, freed, is allocated to another request, and the allocation drops the
 block's routing).
 """
 
