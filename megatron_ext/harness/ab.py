@@ -17,14 +17,14 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from .. import mcore
 from ..api import apply, revert
 from ..errors import DeviceUnavailableError
-from ..patches import TopNPrefillChunksPatch
+from ..patches import RoutingPerBlockPatch, TopNPrefillChunksPatch
 from ..patching import fault_label
 from .audits import FAULT_OF_KIND
 from .cases.planning import PlannedRequest, check_top_n_fits, plan_requests, validate_planned
 from .cases.schema import Case
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint, resolve_checkpoint
 from .checkpoint_args import check_case_model_matches_args, checkpoint_model_spec
-from .compare import RequestDiff, RequestOutput, compare_runs, top_n_miscounted
+from .compare import RequestDiff, RequestOutput, compare_runs, routing_miscounted, top_n_miscounted
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .rounds import left_out, update_mismatches
 from .engine import build_engine, build_model, dist_timeout, ensure_model_parallel
@@ -126,6 +126,19 @@ class ABResult:
             return rank_failures(self.ranks)
         return self.local_failures()
 
+    def _routing_failures(self) -> list[str]:
+        """The routing-replay audit's findings: requests given no routing (fault R2), then replays
+        of stale or wrong expert IDs (no patch), each with its first example."""
+        problems = []
+        for kind, label, what in (
+                ("routing_missing", FAULT_OF_KIND["routing_missing"], "finished MoE requests given no routing"),
+                ("routing_replay", "routing replay (no patch)", "replayed expert IDs stale, wrong or of other tokens")):
+            count = sum(run.audit.violations_by_kind.get(kind, 0) for run in self.runs)
+            if count:
+                example = next((line for run in self.runs for line in run.audit.examples.get(kind, [])), "")
+                problems.append(f"{label}: {count} {what}" + (f"; first: {example}" if example else ""))
+        return problems
+
     def local_failures(self) -> list[str]:
         """This rank's own failures (the whole verdict with one rank)."""
         problems = []
@@ -152,19 +165,18 @@ class ABResult:
             problems.append(
                 f"{FAULT_OF_KIND['mamba_restore']}: {self.total('mamba_restore_violations')} hybrid requests "
                 "skipped prefill tokens without their Mamba state restored")
-        if self.total("routing_replay_violations"):
-            examples = next((run.audit.examples.get("routing_replay") for run in self.runs
-                             if run.audit.examples.get("routing_replay")), [])
-            problems.append(
-                f"routing replay (megatron-core's per-block MoE routing, no patch): "
-                f"{self.total('routing_replay_violations')} violations"
-                + (f", first: {examples[0]}" if examples else ""))
+        problems.extend(self._routing_failures())
         problems.extend(self._update_mismatches())
         if self.trainer_logprobs is not None:
             problems.extend(self.trainer_logprobs.failures())
         for run in self.runs:
             if run.error:
                 problems.append(f"megatron-core raised in run {run.eviction_policy or 'caching off'} at {run.error}")
+            short = routing_miscounted(run.outputs)
+            if short:
+                problems.append(f"{fault_label(RoutingPerBlockPatch)}: run {run.eviction_policy or 'caching off'}: "
+                                f"{len(short)} requests whose routing is not one row per token but the last: "
+                                f"{', '.join(short[:6])}")
             miscounted = top_n_miscounted(run.outputs)  # caught even where A and B are equally wrong
             if miscounted:
                 problems.append(f"{fault_label(TopNPrefillChunksPatch)}: run {run.eviction_policy or 'caching off'}: "

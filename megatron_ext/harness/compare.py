@@ -144,6 +144,14 @@ def top_n_miscounted(outputs: dict[int, RequestOutput]) -> list[str]:
             if o.top_n_logprobs is not None and o.tokens and len(o.top_n_logprobs) != len(o.tokens)]
 
 
+def routing_miscounted(outputs: dict[int, RequestOutput]) -> list[str]:
+    """Labels of the requests of one run whose routing (routing replay) is not one row per token
+    but the last (``prompt + generated - 1``; fault R1: a prefix-cached request's matched prefix
+    left out); requests without routing or without tokens are not counted."""
+    return [o.label for o in outputs.values()
+            if o.routing is not None and o.tokens and len(o.routing) != o.prompt_length + len(o.tokens) - 1]
+
+
 def _same_top_n(a: list[list[tuple[str, float]]], b: list[list[tuple[str, float]]], i: int) -> bool:
     """Whether generated token ``i`` has the same top-n entries in both (a missing one differs)."""
     if i >= len(a) or i >= len(b):

@@ -31,14 +31,17 @@ def diff_table(title: str, diffs: Sequence[RequestDiff], only_divergent: bool = 
     if only_divergent:
         title += f": {len(shown)} of {len(diffs)} requests differ"
     top_n = any(d.top_n_logprobs_equal is not None for d in diffs)  # a column only when recorded
+    routing = any(d.routing_equal is not None for d in diffs)
     table = Table(title=title)
     for column in ("request", "id", "tokens equal", "log-probs equal", *(("top-n log-probs equal",) * top_n),
+                   *(("routing equal",) * routing),
                    "first divergent step", "first divergent token", "max |Δ log-prob|"):
         table.add_column(column, justify="right" if column != "request" else "left")
     for diff in shown:
         table.add_row(
             diff.label, str(diff.request_id), _yes_no(diff.tokens_equal), _yes_no(diff.log_probs_equal),
             *((_yes_no(diff.top_n_logprobs_equal is not False),) * top_n),
+            *((_yes_no(diff.routing_equal is not False),) * routing),
             "-" if diff.first_divergent_step is None else str(diff.first_divergent_step),
             "-" if diff.first_divergent_position is None else str(diff.first_divergent_position),
             f"{diff.max_abs_delta_log_prob:.3g}",
@@ -51,10 +54,12 @@ def summary_table(result: ABResult) -> Table:
     table = Table(title="runs, prefix-cache counters and audits")
     updates = result.case.weight_updates is not None
     hybrid = result.case.model.is_hybrid
+    routing = "routing_replay" in result.case.model.features
     for column in ("run", "steps", "seconds", "cache hits", "blocks matched", "prefill tokens skipped",
                    "prefill tokens computed", "KV writes checked", "KV write violations",
                    *(("KV writes redirected", "Mamba restores (failed)", "Mamba restore violations") * hybrid),
-                   "ref-count violations", "LRU violations", *(("stale hits",) * updates)):
+                   "ref-count violations", "LRU violations", *(("stale hits",) * updates),
+                   *(("routing positions checked", "routing replay violations") * routing)):
         table.add_column(column, justify="right" if column != "run" else "left")
     for run in result.runs:
         counters, audit = run.counters, run.audit
@@ -71,6 +76,7 @@ def summary_table(result: ABResult) -> Table:
             _count(audit.refcount_violations) if run.prefix_caching else "n/a",
             _count(audit.lru_violations) if run.prefix_caching else "n/a",
             *stale,
+            *((str(audit.routing_tokens_checked), _count(audit.routing_replay_violations)) * routing),
         )
     return table
 

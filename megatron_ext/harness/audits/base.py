@@ -9,7 +9,7 @@ from typing import Any
 
 from ...patches import (LruLeafFirstEvictionPatch, LruPinBeforeAllocatePatch, LruRegisterOncePatch,
                         MambaClampRestorePatch, MatchedBlockWritesPatch, ReleaseRefcountPatch,
-                        WeightUpdateInvalidationPatch)
+                        RoutingFinishedBlocksPatch, WeightUpdateInvalidationPatch)
 from ...patching import fault_label
 
 
@@ -19,8 +19,9 @@ class Violation:
 
     Attributes:
         kind: ``kv_write``, ``ref_count``, ``free_pool``, ``drain``, ``block_table``,
-            ``prefix_chain``, ``child_count``, ``stale_hit``, ``mamba_restore`` (see :data:`FAULT_OF_KIND`) or
-            ``routing_replay`` (MoE per-block routing; no patch, so not in :data:`FAULT_OF_KIND`).
+            ``prefix_chain``, ``child_count``, ``stale_hit``, ``mamba_restore``, ``routing_missing`` (a
+            finished MoE request got no routing, fault R2; see :data:`FAULT_OF_KIND`) or ``routing_replay``
+            (replayed expert IDs stale, wrong or of other tokens; no patch, so not in :data:`FAULT_OF_KIND`).
         step: engine step (0-based) at which it was seen.
         block: the KV block ID concerned (-1: none, a ``mamba_restore`` skip with no restore attempt).
         request_id: the request concerned (``kv_write``, ``block_table``, ``stale_hit`` and
@@ -44,6 +45,7 @@ PATCH_OF_KIND = {
     "child_count": LruRegisterOncePatch,
     "stale_hit": WeightUpdateInvalidationPatch,
     "mamba_restore": MambaClampRestorePatch,
+    "routing_missing": RoutingFinishedBlocksPatch,
 }
 #: Violation kind -> the fault it shows, as failure messages name it (``fault 2 (matched-block-writes)``).
 FAULT_OF_KIND = {kind: fault_label(patch) for kind, patch in PATCH_OF_KIND.items()}

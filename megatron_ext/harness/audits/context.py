@@ -47,9 +47,10 @@ class AuditSummary:
             Mamba prefix cache).
         mamba_restores_failed: of those, the ones that found no snapshot.
         mamba_restore_log: every restore as ``{step, request_id, block, tokens_skipped, restored}``.
-        routing_replay_violations: MoE routing replay: positions whose replayed expert IDs are missing,
-            stale, of another token, or differ from the request's own forward; a ``block_routing``
-            larger than the pool (:mod:`.routing_replay`).
+        routing_replay_violations: MoE routing replay: finished requests given no routing (kind
+            ``routing_missing``, fault R2), positions whose replayed expert IDs are stale, of another
+            token, or differ from the request's own forward, a ``block_routing`` larger than the pool
+            (:mod:`.routing_replay`).
         routing_tokens_checked: positions of reconstructed ``routing_indices`` checked.
         routing_reconstructions: ``reconstruct_routing_from_blocks`` calls checked.
         block_routing_max_entries: the most blocks ``block_routing`` held after a step (0: no
@@ -306,7 +307,7 @@ class ContextAudit:
             mamba_restores=len(self.mamba.restores),
             mamba_restores_failed=self.mamba.failed(),
             mamba_restore_log=self.mamba.records(),
-            routing_replay_violations=self.count("routing_replay"),
+            routing_replay_violations=self.count("routing_replay", "routing_missing"),
             routing_tokens_checked=self.routing.tokens_checked,
             routing_reconstructions=self.routing.reconstructions,
             block_routing_max_entries=self.routing.max_entries,

@@ -12,13 +12,14 @@ The audit watches both ends:
 
 * every ``store_routing_per_block`` call: per token, the request, its position, its token ID and
   its expert IDs (``[layers, topk]``), and per (block, offset) the last write in the block's
-  current allocation (a block's *life*: the audit counts its allocations);
+  current allocation (a block's *life*: the audit counts its allocations; the writes of a block's
+  previous life are kept until it is allocated again, for a request that finished holding it);
 * every ``reconstruct_routing_from_blocks`` call (the engine's, when a request finishes): the
   request is the live one whose block table was those blocks; for each position ``p`` it checks
 
-  - ``missing``: megatron-core returned None, or nothing was written at ``p`` in the block's current
-    life (an entry left from an earlier life, or zeros, would be replayed: stale routing after a
-    release, an eviction, a reuse or a flush);
+  - ``missing``: megatron-core returned None, or nothing was written at ``p`` in the life of the
+    block the request held (an entry left from an earlier life, or zeros, would be replayed: stale
+    routing after a release, an eviction, a reuse or a flush);
   - ``value``: the replayed expert IDs equal the last ones stored there;
   - ``provenance``: they were stored for the same position by a request with the same tokens up to
     ``p`` (causal attention: the same routing in exact arithmetic);
@@ -28,7 +29,7 @@ The audit watches both ends:
 * after every step, ``len(block_routing)`` (reported; a violation past the pool's blocks, or an
   entry for the dummy block).
 
-Violations are of kind ``routing_replay``. Caching on vs off is compared by ``ab`` itself (the
+Violations are of kind ``routing_missing`` (no routing at all: fault R2) or ``routing_replay``. Caching on vs off is compared by ``ab`` itself (the
 requests' ``routing`` in :class:`~megatron_ext.harness.compare.RequestDiff`).
 """
 
@@ -62,9 +63,10 @@ class RoutingReplayAudit:
             at each store).
         computed: request ID -> position -> expert IDs (a tuple of per-layer tuples) its own forward
             computed last.
-        writes: block ID -> offset in block -> the last :class:`RoutingWrite` there.
+        writes: block ID -> offset in block -> the last :class:`RoutingWrite` there (current life).
+        retired: block ID -> (life, its writes) of the block's previous life.
         lives: block ID -> allocations seen so far.
-        tables: request ID -> its block table at the last store (valid IDs, in order).
+        tables: request ID -> its block table at the last store: (block ID, life held), in order.
         tokens_checked: positions checked in reconstructions.
         reconstructions: ``reconstruct_routing_from_blocks`` calls checked.
         unidentified: reconstructions whose blocks matched no (or several) live block tables.
@@ -75,8 +77,9 @@ class RoutingReplayAudit:
     tokens: dict[int, dict[int, int]] = field(default_factory=dict)
     computed: dict[int, dict[int, tuple]] = field(default_factory=dict)
     writes: dict[int, dict[int, RoutingWrite]] = field(default_factory=dict)
+    retired: dict[int, tuple[int, dict[int, RoutingWrite]]] = field(default_factory=dict)
     lives: dict[int, int] = field(default_factory=dict)
-    tables: dict[int, list[int]] = field(default_factory=dict)
+    tables: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     tokens_checked: int = 0
     reconstructions: int = 0
     unidentified: int = 0
@@ -93,14 +96,18 @@ class RoutingReplayAudit:
     def allocated(self, block_ids: list[int]) -> None:
         """``allocate_memory_blocks`` returned ``block_ids``: each starts a new life, empty."""
         for block in block_ids:
-            self.lives[block] = self.lives.get(block, 0) + 1
-            self.writes.pop(block, None)
+            self._retire(block)
 
     def reset(self) -> None:
         """The allocator was reset or replaced: no block holds routing, every block starts anew."""
         for block in list(self.writes):
-            self.lives[block] = self.lives.get(block, 0) + 1
-        self.writes.clear()
+            self._retire(block)
+
+    def _retire(self, block: int) -> None:
+        """``block`` starts a new life; its current writes become the previous life's."""
+        life = self.lives.get(block, 0)
+        self.retired[block] = (life, self.writes.pop(block, {}))
+        self.lives[block] = life + 1
 
     def stored(self, context: Any, flat_routing: Optional[np.ndarray]) -> None:
         """``store_routing_per_block(flat_routing)`` is about to run on ``context``.
@@ -122,7 +129,7 @@ class RoutingReplayAudit:
         dummy = int(context.kv_block_allocator.dummy_block_idx)
         for row in sorted(set(rows)):
             table = context.request_to_kv_block_ids[row]
-            self.tables[request_ids[row]] = [b for b in _ints(table) if b >= 0]
+            self.tables[request_ids[row]] = [(b, self.lives.get(b, 0)) for b in _ints(table) if b >= 0]
         routing = np.asarray(flat_routing)
         for i in range(min(count, routing.shape[0])):
             request_id, position = request_ids[rows[i]], positions[i]
@@ -138,16 +145,17 @@ class RoutingReplayAudit:
         """``reconstruct_routing_from_blocks(block_ids, total)`` returned ``result``
         (``[total, layers, topk]`` or None); ``block_size``: tokens per KV block."""
         block_ids = [int(b) for b in block_ids]
-        owners = [rid for rid, table in self.tables.items() if table == block_ids]
+        owners = [rid for rid, table in self.tables.items() if [b for b, _ in table] == block_ids]
         if len(owners) != 1:
             self.unidentified += 1
             return
         request_id = owners[0]
+        held = dict(enumerate(life for _, life in self.tables.pop(request_id)))  # it finished
         self.reconstructions += 1
         if result is None:
             self._add(block_ids[0] if block_ids else -1, request_id,
                       f"request {request_id}: megatron-core reconstructed no routing from blocks {block_ids} "
-                      f"({total} tokens expected)")
+                      f"({total} tokens expected)", kind="routing_missing")
             return
         result = np.asarray(result)
         reader = self.tokens.get(request_id, {})
@@ -156,11 +164,11 @@ class RoutingReplayAudit:
             self.tokens_checked += 1
             block = block_ids[p // block_size] if p // block_size < len(block_ids) else -1
             replayed = _experts(result[p]) if p < result.shape[0] else None
-            write = self.writes.get(block, {}).get(p % block_size)
+            write = self._write(block, held.get(p // block_size, -1), p % block_size)
             where = f"request {request_id} position {p} (block {block}, offset {p % block_size})"
-            if write is None or write.life != self.lives.get(block, 0):
-                self._add(block, request_id, f"{where}: replays {replayed}, but nothing was stored there since "
-                          "the block was last allocated (stale or zero routing)")
+            if write is None:
+                self._add(block, request_id, f"{where}: replays {replayed}, but nothing was stored there while "
+                          "the request held the block (stale or zero routing)")
                 continue
             if replayed != write.experts:
                 self._add(block, request_id, f"{where}: replays {replayed}, the last routing stored there is "
@@ -172,6 +180,13 @@ class RoutingReplayAudit:
                 continue
             if p in own and own[p] != replayed:
                 self._add(block, request_id, f"{where}: replays {replayed}, its own forward computed {own[p]}")
+
+    def _write(self, block: int, life: int, offset: int) -> Optional[RoutingWrite]:
+        """The last write at ``offset`` of ``block`` in its life ``life`` (current or previous), or None."""
+        if self.lives.get(block, 0) == life:
+            return self.writes.get(block, {}).get(offset)
+        retired_life, writes = self.retired.get(block, (-1, {}))
+        return writes.get(offset) if retired_life == life else None
 
     def end_step(self, allocator: Any) -> None:
         """After a step: ``len(allocator.block_routing)`` within the pool, no dummy-block entry."""
@@ -186,8 +201,8 @@ class RoutingReplayAudit:
         if dummy in routing:
             self._add(dummy, -1, f"block_routing holds an entry for the dummy block {dummy}")
 
-    def _add(self, block: int, request_id: int, detail: str) -> None:
-        self.log.add(Violation("routing_replay", self.log.step, block, request_id, detail))
+    def _add(self, block: int, request_id: int, detail: str, kind: str = "routing_replay") -> None:
+        self.log.add(Violation(kind, self.log.step, block, request_id, detail))
 
 
 def _ints(values: Any) -> list[int]:
