@@ -1,0 +1,59 @@
+"""Mixture of experts with routing replay (``moe_tiny``) through ``ab``: routing audited and equal.
+
+Patched, every request's routing has one row per token but the last, is the same with caching on
+and off, and (0.18+: megatron-core stores routing per KV block) the routing-replay audit checked
+every position of every request in every run. Without the release's routing fix the verdict
+names it: R1 on 0.17 (a prefix-cached request's matched prefix left out), R2 on 0.18 / 0.19 (a
+finished request whose block was handed out again in the step gets no routing).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import megatron_ext
+from megatron_ext.harness.ab import run_ab
+from megatron_ext.harness.cases import load_case
+
+#: What the verdict says with the release's routing fix left out (MEGATRON_EXT_SKIP).
+UNFIXED = {
+    "0.17": ("routing-per-block", [
+        "fault R1 (routing-per-block): run ref_zero: 4 requests whose routing is not one row per token "
+        "but the last: r0.s1, r0.s2, r1.s0, r2.s0",
+        "fault R1 (routing-per-block): run lru: 5 requests whose routing is not one row per token "
+        "but the last: r0.s1, r0.s2, r1.s0, r2.s0, r3.s0"]),
+    "0.18": ("routing-finished-blocks", [
+        "fault R2 (routing-finished-blocks): 3 finished MoE requests given no routing; first: step 5: "
+        "request 2: megatron-core reconstructed no routing from blocks [9, 10, 8] (37 tokens expected)"]),
+}
+UNFIXED["0.19"] = UNFIXED["0.18"]
+
+
+@pytest.mark.slow
+def test_moe_routing_is_whole_equal_and_audited(mcore_series):
+    result = run_ab(load_case("moe_tiny"), patched=True)
+    assert result.failures() == []
+    assert result.as_json()["model_features"] == ["moe", "routing_replay"]
+    assert all(d.routing_equal for p in result.policies for d in p.diffs)
+    for run in result.runs:
+        rows = [len(o.routing) for o in run.outputs.values()]
+        assert rows == [o.prompt_length + len(o.tokens) - 1 for o in run.outputs.values()]
+        audited = run.audit.routing_tokens_checked
+        assert audited == (0 if mcore_series == "0.17" else sum(rows))  # 0.17 has no per-block routing
+        assert run.audit.block_routing_max_entries == (0 if mcore_series == "0.17" else 15)  # the pool
+    assert sum(p.run.counters.blocks_matched for p in result.policies) == 18
+
+
+@pytest.mark.slow
+def test_moe_verdict_names_the_routing_fault_of_this_release(monkeypatch, mcore_series):
+    fix, expected = UNFIXED[mcore_series]
+    megatron_ext.revert()
+    monkeypatch.setenv("MEGATRON_EXT_SKIP", fix)
+    try:
+        result = run_ab(load_case("moe_tiny"), patched=True)
+    finally:
+        megatron_ext.revert()
+    assert next(p for p in result.patches if p["patch"] == fix)["state"] == "not applied"
+    failures = result.failures()
+    assert [f for f in failures if f.startswith("fault R")] == expected
+    assert result.exit_code() == 1
