@@ -105,8 +105,10 @@ def test_block_size_defaults_to_megatrons(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"--num-experts": 64, "--moe-router-topk": 2}, "refused: --num-experts (mixture-of-experts models are not "
-                                                    "supported by ab); --moe-router-topk (mixture-of-experts"),
+    ({"--num-experts": 4, "--moe-grouped-gemm": True, "--expert-model-parallel-size": 2},
+     "refused: --moe-grouped-gemm (of the mixture-of-experts arguments ab builds --num-experts, --moe-router-topk, "
+     "--moe-ffn-hidden-size and --moe-enable-routing-replay only); --expert-model-parallel-size (expert "
+     "parallelism is not supported by ab (experts on every rank))"),
     ({"--fp16": True}, "refused: --fp16 (ab runs bf16 or fp32)"),
     ({"--multi-latent-attention": True, "--q-lora-rank": 32, "--kv-lora-rank": 16},
      "refused: --multi-latent-attention (multi-latent attention is not supported by ab); --q-lora-rank "
@@ -233,3 +235,15 @@ def test_hybrid_refusals_name_the_argument(tmp_path, change, message):
     with pytest.raises(CaseFileError) as error:
         load_megatron_case(write(tmp_path, args))
     assert message in str(error.value)
+
+
+def test_mixture_of_experts_arguments_build_the_moe_model(tmp_path):
+    args = {**{k: v for k, v in MODEL_ARGS.items() if k not in ("--use-checkpoint-args", "--load")},
+            "--num-experts": 4, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 96,
+            "--moe-enable-routing-replay": True, "--moe-aux-loss-coeff": 0.01}
+    mc = load_megatron_case(write(tmp_path, args), environ={"CHECKPOINT_LOAD_PATH": "/c"})
+    model = mc.case.model
+    assert (model.num_experts, model.moe_router_topk, model.moe_ffn_hidden_size) == (4, 2, 96)
+    assert model.moe_enable_routing_replay is True
+    assert model.features == ["moe", "routing_replay"]
+    assert ("--moe-aux-loss-coeff", "a training loss (ab builds the router without load balancing: inference)") in mc.ignored

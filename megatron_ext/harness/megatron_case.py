@@ -68,6 +68,9 @@ IGNORED = {
     "--tiktoken-pattern": "used with --tokenizer-type TikTokenizer only",
     "--model-provider": "ab builds a hybrid model when the file gives --hybrid-layer-pattern, else a GPT model",
     "--is-hybrid-model": "ab builds a hybrid model when the file gives --hybrid-layer-pattern",
+    "--moe-aux-loss-coeff": "a training loss (ab builds the router without load balancing: inference)",
+    "--moe-z-loss-coeff": "a training loss (ab builds the router without load balancing: inference)",
+    "--moe-token-dispatcher-type": "how tokens reach the experts on several ranks; ab keeps every expert on every rank",
     "--inference-dynamic-batching-prefix-caching-coordinator-policy":
         "ab runs one engine per layout, not data-parallel engines behind a coordinator",
     "--inference-dynamic-batching-prefix-caching-routing-alpha":
@@ -76,14 +79,14 @@ IGNORED = {
 
 #: Argument prefixes and arguments that change the model or engine beyond what ab reproduces.
 REFUSED_PREFIXES = {
-    "--moe-": "mixture-of-experts models are not supported by ab",
+    "--moe-": "of the mixture-of-experts arguments ab builds --num-experts, --moe-router-topk, "
+              "--moe-ffn-hidden-size and --moe-enable-routing-replay only",
     "--fp8": "FP8 needs Transformer Engine on a GPU",
     "--cuda-graph": "CUDA graphs need a GPU",
 }
 REFUSED = {
-    "--num-experts": "mixture-of-experts models are not supported by ab",
-    "--expert-model-parallel-size": "mixture-of-experts models are not supported by ab",
-    "--expert-tensor-parallel-size": "mixture-of-experts models are not supported by ab",
+    "--expert-model-parallel-size": "expert parallelism is not supported by ab (experts on every rank)",
+    "--expert-tensor-parallel-size": "expert parallelism is not supported by ab (experts on every rank)",
     "--mtp-num-layers": "multi-token prediction is not supported by ab",
     "--hybrid-attention-ratio": "a layer pattern derived from ratios: give --hybrid-layer-pattern",
     "--hybrid-mlp-ratio": "a layer pattern derived from ratios: give --hybrid-layer-pattern",
@@ -126,6 +129,10 @@ MODEL_FIELDS = {
     "--mamba-head-dim": "mamba_head_dim",
     "--mamba-num-groups": "mamba_num_groups",
     "--mamba-num-heads": "mamba_num_heads",
+    "--num-experts": "num_experts",
+    "--moe-router-topk": "moe_router_topk",
+    "--moe-ffn-hidden-size": "moe_ffn_hidden_size",
+    "--moe-enable-routing-replay": "moe_enable_routing_replay",
 }
 
 #: Hybrid (Mamba + attention) models: the layer pattern's arguments (the second is Megatron-LM's
@@ -232,6 +239,8 @@ def _refusal(arg: str, args: dict[str, Any]) -> Optional[str]:
         return _spec_refusal(args)
     if arg in REFUSED:
         return REFUSED[arg]
+    if arg in MODEL_FIELDS or arg in IGNORED:  # read or known harmless, even under a refused prefix
+        return None
     return next((why for prefix, why in REFUSED_PREFIXES.items() if arg.startswith(prefix)), None)
 
 
