@@ -8,7 +8,7 @@ Megatron-LM args.
 * ``ab --load`` without a model section: exit 0, bit-identical, audit-clean; the built model's
   megatron-core config and modules are the Llama architecture; its weights are the saved ones
   bit for bit (saved with seed 4321, built with 1234 before loading).
-* Refusals: a checkpoint whose args name an unsupported architecture (mixture of experts, L2
+* Refusals: a checkpoint whose args name an unsupported architecture (grouped-GEMM experts, L2
   norm) exits 2 with one line naming the argument, before any engine is built.
 * Cross-release (slow): the same checkpoint saved under megatron-core 0.19.2 (its wheel unpacked,
   in a subprocess; the common state lives in the .distcp files) loads under the installed release.
@@ -167,7 +167,8 @@ def no_engine(monkeypatch):
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"num_experts": 8}, "num_experts=8 (mixture of experts)"),
+    ({"num_experts": 8, "moe_grouped_gemm": True},
+     "moe_grouped_gemm=True (grouped-GEMM experts (the harness builds SequentialMLP experts))"),
     ({"normalization": "L2Norm"}, "normalization='L2Norm' (the harness builds LayerNorm or RMSNorm)"),
 ])
 def test_unsupported_checkpoint_args_exit_2_by_name(cases, tmp_path, capfd, no_engine, changes, named):

@@ -9,11 +9,17 @@ finished request whose block was handed out again in the step gets no routing).
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 import megatron_ext
+from megatron_ext import cli
+from megatron_ext.cpu_backend import cpu_backend
 from megatron_ext.harness.ab import run_ab
 from megatron_ext.harness.cases import load_case
+from megatron_ext.harness.checkpoint import read_common_state
 
 #: What the verdict says with the release's routing fix left out (MEGATRON_EXT_SKIP).
 UNFIXED = {
@@ -57,3 +63,42 @@ def test_moe_verdict_names_the_routing_fault_of_this_release(monkeypatch, mcore_
     failures = result.failures()
     assert [f for f in failures if f.startswith("fault R")] == expected
     assert result.exit_code() == 1
+
+
+NO_MODEL_CASE = """name: moe-from-checkpoint
+inference: {block_size_tokens: 16, buffer_size_gb: 0.000123, max_requests: 8, max_tokens: 256, max_sequence_length: 256}
+requests:
+  - {prompt: "System: route every token well!!", samples: 3, num_tokens_to_generate: 6}
+  - {prefix: "System: route every token well!!", prompt: " Q: which expert wins?", arrival_step: 2,
+     num_tokens_to_generate: 4}
+"""
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_round_trip_builds_the_moe_model_from_its_args(tmp_path, monkeypatch):
+    """``save-checkpoint --case moe_tiny`` writes Megatron-LM's MoE args; ``ab --load`` with a case
+    without a model section builds the same MoE model from them and loads its experts bit for bit."""
+    import megatron_ext.harness.ab as ab_module
+    from megatron_ext.harness.engine import build_model
+
+    built = []
+    monkeypatch.setattr(ab_module, "build_model", lambda case: built.append(build_model(case)) or built[-1])
+    ckpt, case, out = tmp_path / "ckpt", tmp_path / "no_model.yaml", tmp_path / "ab.json"
+    assert cli.main(["save-checkpoint", str(ckpt), "--case", "moe_tiny"]) == 0
+    args = read_common_state(ckpt / "iter_0000001")["args"]
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size, args.moe_enable_routing_replay) == \
+        (4, 2, 64, True)
+    case.write_text(NO_MODEL_CASE)
+    assert cli.main(["ab", "--case", str(case), "--load", str(ckpt), "--no-progress", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["verdict"] == "pass" and result["model_features"] == ["moe", "routing_replay"]
+    assert result["weights"]["model"] == "checkpoint args"
+    (model,) = built
+    assert (model.config.num_moe_experts, model.config.moe_router_topk, model.config.moe_ffn_hidden_size) == (4, 2, 64)
+    with cpu_backend():
+        saved = build_model(load_case("moe_tiny"))  # same seed: the weights save-checkpoint wrote
+    loaded = dict(model.named_parameters())
+    experts = [name for name, _ in saved.named_parameters() if ".experts." in name]
+    assert len(experts) == 2 * 4 * 4  # layers x experts x (fc1, fc2) x (weight, bias)
+    for name, param in saved.named_parameters():
+        assert torch.equal(loaded[name], param), name

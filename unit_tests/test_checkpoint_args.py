@@ -95,7 +95,10 @@ def _args(**changes) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"num_experts": 64}, "num_experts=64 (mixture of experts)"),
+    ({"num_experts": 64, "moe_shared_expert_intermediate_size": 128},
+     "moe_shared_expert_intermediate_size=128 (shared experts)"),
+    ({"num_experts": 64, "moe_layer_freq": 2},
+     "moe_layer_freq=2 (experts in some layers only; the harness puts them in every layer)"),
     ({"multi_latent_attention": True}, "multi_latent_attention=True (multi-latent attention)"),
     ({"mtp_num_layers": 1}, "mtp_num_layers=1 (multi-token prediction layers)"),
     ({"spec": ["my.module", "layer_spec"]}, "spec=['my.module', 'layer_spec'] (a custom layer spec module)"),
@@ -117,9 +120,23 @@ def test_unsupported_argument_is_refused_by_name(changes, named):
 
 
 def test_several_refusals_are_all_named():
-    with pytest.raises(CheckpointError, match=r"cannot build: num_experts=8 \(mixture of experts\); "
+    with pytest.raises(CheckpointError, match=r"cannot build: moe_grouped_gemm=True \(grouped-GEMM experts "
+                                              r"\(the harness builds SequentialMLP experts\)\); "
                                               r"multi_latent_attention=True \(multi-latent attention\)$"):
-        model_spec_from_args(_args(num_experts=8, multi_latent_attention=True), "--load /ckpt")
+        model_spec_from_args(_args(num_experts=8, moe_grouped_gemm=True, multi_latent_attention=True), "--load /ckpt")
+
+
+def test_mixture_of_experts_args_build_the_moe_model():
+    spec = model_spec_from_args(_args(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=96,
+                                      moe_enable_routing_replay=True), "--load /ckpt", LLAMA)
+    assert (spec.num_experts, spec.moe_router_topk, spec.moe_ffn_hidden_size, spec.moe_enable_routing_replay) == \
+        (8, 2, 96, True)
+    args = vars(megatron_lm_args(spec, 512))
+    assert {k: args[k] for k in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                                 "moe_enable_routing_replay", "moe_layer_freq")} == {
+        "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 96, "moe_enable_routing_replay": True,
+        "moe_layer_freq": 1}
+    assert model_spec_from_args(argparse.Namespace(**args), "ckpt", LLAMA) == spec
 
 
 def test_absent_or_zero_unsupported_arguments_are_accepted():

@@ -29,7 +29,12 @@ CHECKPOINT_VERSION = 3.0
 #: Argument -> (the value it must have, what a different value means), for arguments the harness
 #: cannot honour. None also accepts 0 / False / a missing argument.
 UNSUPPORTED_ARGS = {
-    "num_experts": (None, "mixture of experts"),
+    "moe_grouped_gemm": (False, "grouped-GEMM experts (the harness builds SequentialMLP experts)"),
+    "moe_shared_expert_intermediate_size": (None, "shared experts"),
+    "moe_router_score_function": ("softmax", "a router score function other than softmax"),
+    "moe_router_pre_softmax": (False, "softmax before top-k routing"),
+    "moe_router_num_groups": (None, "group-limited routing"),
+    "moe_router_enable_expert_bias": (False, "expert bias in the router"),
     "multi_latent_attention": (False, "multi-latent attention"),
     "mtp_num_layers": (None, "multi-token prediction layers"),
     "spec": (None, "a custom layer spec module"),
@@ -110,7 +115,7 @@ def megatron_lm_args(spec: ModelSpec, padded_vocab_size: int, tensor_model_paral
         fp16=False,
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
-        num_experts=None,
+        **_moe_args(spec),
         multi_latent_attention=False,
         mtp_num_layers=None,
         spec=None,
@@ -130,6 +135,25 @@ def _hybrid_args(spec: ModelSpec) -> dict[str, Any]:
         ("mamba_inference_conv_states_dtype", spec.mamba_conv_states_dtype)) if value is not None}
     return {"hybrid_layer_pattern": spec.hybrid_layer_pattern, "hybrid_override_pattern": None,
             **{name: getattr(spec, name) for name in MAMBA_ARGS}, **states}
+
+
+def _moe_args(spec: ModelSpec) -> dict[str, Any]:
+    """A mixture-of-experts model's Megatron-LM arguments (``num_experts`` None for a dense one)."""
+    if not spec.is_moe:
+        return {"num_experts": None}
+    return {"num_experts": spec.num_experts, "moe_router_topk": spec.moe_router_topk,
+            "moe_ffn_hidden_size": spec.effective_moe_ffn_hidden_size(),
+            "moe_enable_routing_replay": spec.moe_enable_routing_replay,
+            "moe_router_load_balancing_type": "none", "moe_layer_freq": 1}
+
+
+def _moe_fields(args: Any) -> dict[str, Any]:
+    """The ``ModelSpec`` fields of a mixture-of-experts model's args (none for a dense model)."""
+    if not getattr(args, "num_experts", None):
+        return {}
+    return {"num_experts": args.num_experts, "moe_router_topk": getattr(args, "moe_router_topk", 2),
+            "moe_ffn_hidden_size": getattr(args, "moe_ffn_hidden_size", None),
+            "moe_enable_routing_replay": bool(getattr(args, "moe_enable_routing_replay", False))}
 
 
 def _hybrid_pattern(args: Any) -> tuple[Optional[str], list[str]]:
@@ -162,6 +186,9 @@ def _refusals(args: Any) -> list[str]:
         if value == required or (required is None and value in (0, False)):
             continue
         refused.append(f"{name}={value!r} ({what})")
+    freq = getattr(args, "moe_layer_freq", 1)
+    if getattr(args, "num_experts", None) and freq != 1:
+        refused.append(f"moe_layer_freq={freq!r} (experts in some layers only; the harness puts them in every layer)")
     normalization = getattr(args, "normalization", "LayerNorm")
     if normalization not in _NORMALIZATIONS:
         refused.append(f"normalization={normalization!r} (the harness builds {' or '.join(_NORMALIZATIONS)})")
@@ -283,6 +310,7 @@ def model_spec_from_args(args: Any, where: str, base: Optional[ModelSpec] = None
         init_method_std=base.init_method_std,
     )
     fields.update(_mamba_fields(args, _hybrid_pattern(args)[0]))
+    fields.update(_moe_fields(args))
     try:
         return ModelSpec.model_validate(fields)
     except ValidationError as exc:

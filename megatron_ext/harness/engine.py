@@ -108,7 +108,7 @@ def transformer_config(case: Case) -> Any:
                         mamba_num_groups=spec.mamba_num_groups, mamba_num_heads=spec.mamba_num_heads)
     if spec.is_moe:
         optional.update(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_router_topk,
-                        moe_ffn_hidden_size=moe_ffn_hidden_size(spec),
+                        moe_ffn_hidden_size=spec.effective_moe_ffn_hidden_size(),
                         moe_enable_routing_replay=spec.moe_enable_routing_replay,
                         moe_router_load_balancing_type="none")
     return module.TransformerConfig(
@@ -132,14 +132,6 @@ def transformer_config(case: Case) -> Any:
         pipeline_model_parallel_size=pp,
         **optional,
     )
-
-
-def moe_ffn_hidden_size(spec: Any) -> int:
-    """Width (elements) of each expert's MLP: ``spec.moe_ffn_hidden_size``, else the dense MLP's
-    (:meth:`~megatron_ext.harness.cases.ModelSpec.effective_ffn_hidden_size`, else ``4 * hidden_size``)."""
-    if spec.moe_ffn_hidden_size is not None:
-        return spec.moe_ffn_hidden_size
-    return spec.effective_ffn_hidden_size() or 4 * spec.hidden_size
 
 
 def router_replay_class() -> Any:

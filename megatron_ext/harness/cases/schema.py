@@ -217,6 +217,15 @@ class ModelSpec(StrictModel):
             return self.ffn_hidden_size
         return int(4 * self.hidden_size * 2 / 3 / 64) * 64
 
+    def effective_moe_ffn_hidden_size(self) -> Optional[int]:
+        """Width (elements) of each expert's MLP: ``moe_ffn_hidden_size``, else the dense MLP's
+        (:meth:`effective_ffn_hidden_size`, else ``4 * hidden_size``); None for a dense model."""
+        if not self.is_moe:
+            return None
+        if self.moe_ffn_hidden_size is not None:
+            return self.moe_ffn_hidden_size
+        return self.effective_ffn_hidden_size() or 4 * self.hidden_size
+
 
 class InferenceSpec(StrictModel):
     """Fields passed to megatron-core's ``InferenceConfig`` (same names)."""
