@@ -19,6 +19,7 @@ from .. import env, mcore
 from .cases.schema import Case
 from .dtypes import TORCH_DTYPES
 from .hybrid import build_hybrid_model, mamba_inference_state_config
+from .routing import use_router_replays
 from .tokenizer import Tokenizer, default_tokenizer
 
 
@@ -132,36 +133,6 @@ def transformer_config(case: Case) -> Any:
         pipeline_model_parallel_size=pp,
         **optional,
     )
-
-
-def router_replay_class() -> Any:
-    """megatron-core's ``RouterReplay`` (transformer/moe/router_replay.py, 0.17+)."""
-    return mcore.import_module("megatron.core.transformer.moe.router_replay").RouterReplay
-
-
-def router_replays(model: Any) -> list[Any]:
-    """The ``RouterReplay`` objects of ``model``'s MoE routers, in layer order ([] for a model
-    without routing replay)."""
-    found = []
-    for module in model.modules():
-        replay = getattr(module, "router_replay", None)
-        if replay is not None and replay not in found:
-            found.append(replay)
-    return found
-
-
-def use_router_replays(model: Any) -> None:
-    """Make ``model``'s routers the only ones megatron-core records from.
-
-    megatron-core keeps every ``RouterReplay`` ever constructed in one class-level list
-    (``RouterReplay.global_router_replay_instances``) and the inference controller stacks the
-    recordings of all of them, so a second model built in the same process (a test, a trainer
-    copy) adds its layers to the first model's routing (or a shape error). The harness sets that
-    list to ``model``'s routers before each run; a model without routing replay leaves it alone.
-    """
-    replays = router_replays(model)
-    if replays:
-        router_replay_class().global_router_replay_instances[:] = replays
 
 
 def build_model(case: Case) -> Any:

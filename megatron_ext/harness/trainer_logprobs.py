@@ -59,6 +59,7 @@ import torch
 
 from ..errors import MegatronExtError
 from .compare import RequestOutput
+from .routing import replay_targets, replaying, router_replays
 from .step_loop import describe_exception
 
 #: ``ab --trainer-logprobs`` values; the first is the default of the bare flag.
@@ -160,7 +161,8 @@ def batch_sequences(sequences: Sequence[Sequence[int]], pad_id: int = 0) -> tupl
 
 
 def trainer_log_probs(model: Any, requests: Sequence[tuple[Sequence[int], Sequence[int]]],
-                      forward: TrainerForward = TrainerForward()) -> list[torch.Tensor]:
+                      forward: TrainerForward = TrainerForward(),
+                      routing: Optional[Sequence[Sequence]] = None) -> list[torch.Tensor]:
     """Log-probs of every generated token under the model's training forward.
 
     One ``GPTModel.forward(tokens, position_ids, attention_mask=None)`` over all requests, batched
@@ -175,6 +177,10 @@ def trainer_log_probs(model: Any, requests: Sequence[tuple[Sequence[int], Sequen
             broadcasts the last stage's log-probs to every stage.
         requests: per request ``(prompt_tokens, generated_tokens)``; a prompt has at least one token.
         forward: how attention and matrix products compute (:class:`TrainerForward`).
+        routing: an MoE model with routing replay: per request the engine's ``routing_indices``
+            (``[prompt + generated - 1][layers][topk]``), replayed by every router
+            (:func:`~megatron_ext.harness.routing.replaying`), as rollout routing replay trains;
+            None: the routers compute their own top-k.
 
     Returns:
         Per request a float32 tensor ``[g]`` of natural-log probabilities (``[0]`` for none).
@@ -182,7 +188,9 @@ def trainer_log_probs(model: Any, requests: Sequence[tuple[Sequence[int], Sequen
     sequences = [list(p) + list(g) for p, g in requests]
     tokens, positions = batch_sequences(sequences)
     device = next(model.parameters()).device
-    with forward.active(), _not_inferring(), torch.no_grad():
+    replay = contextlib.nullcontext() if routing is None else replaying(
+        model, replay_targets(routing, tokens.shape[1], len(router_replays(model)), model.config.moe_router_topk))
+    with forward.active(), _not_inferring(), torch.no_grad(), replay:
         logits = _logits(model, tokens.to(device), positions.to(device))  # [B, L, V]; None off the last stage
         result = []
         for row, (prompt, generated) in enumerate(requests):
@@ -326,6 +334,8 @@ class RunLogProbs:
         left_out_tokens: the tokens those requests generated in this run.
         error: the exception the trainer comparison raised (one line, where it was raised); the
             requests it had not compared yet are in none of the figures. None: it ran through.
+        routing_replayed: the trainer forward replayed the engine's MoE routing (every compared
+            request had ``routing_indices``); False: its routers computed their own.
     """
 
     label: str
@@ -334,6 +344,7 @@ class RunLogProbs:
     left_out: list[int] = field(default_factory=list)
     left_out_tokens: int = 0
     error: Optional[str] = None
+    routing_replayed: bool = False
 
     @property
     def tokens(self) -> int:
@@ -364,7 +375,8 @@ class RunLogProbs:
                 "max_abs_diff": self.max_abs_diff,
                 "mean_abs_diff": sum(diffs) / len(diffs) if diffs else 0.0,
                 "k3_kl": sum(k3s) / len(k3s) if k3s else 0.0,
-                "left_out_requests": len(self.left_out), "left_out_tokens": self.left_out_tokens}
+                "left_out_requests": len(self.left_out), "left_out_tokens": self.left_out_tokens,
+                "routing_replayed": self.routing_replayed}
 
 
 def compare_run(label: str, outputs: dict[int, RequestOutput],
@@ -401,11 +413,14 @@ def compare_with_trainer(model: Any, label: str, prompts: dict[int, Sequence[int
     """
     started = time.perf_counter()
     ran = [rid for rid in sorted(outputs) if outputs[rid].tokens]
-    computed = trainer_log_probs(model, [(prompts[rid], outputs[rid].tokens) for rid in ran], forward) if ran else []
+    routing = [outputs[rid].routing for rid in ran]
+    replayed = bool(ran) and bool(router_replays(model)) and all(r is not None for r in routing)
+    computed = trainer_log_probs(model, [(prompts[rid], outputs[rid].tokens) for rid in ran], forward,
+                                 routing if replayed else None) if ran else []
     trainer = {rid: [] for rid in outputs}
     trainer.update({rid: values.tolist() for rid, values in zip(ran, computed)})
     run = compare_run(label, outputs, trainer)
-    run.seconds = time.perf_counter() - started
+    run.seconds, run.routing_replayed = time.perf_counter() - started, replayed
     return run
 
 
@@ -438,6 +453,7 @@ class TrainerComparison:
         self._spanning: set[int] = set()
         self._seconds = 0.0
         self._error: Optional[str] = None
+        self._replayed: Optional[bool] = None  # every comparison of the run replayed the engine's routing
         if updater is None:
             return
         update = updater.update
@@ -457,7 +473,8 @@ class TrainerComparison:
         spanning = sorted(self._spanning)
         self.result.runs.append(RunLogProbs(
             run.label, ordered, self._seconds, spanning,
-            left_out_tokens=sum(len(run.outputs[rid].tokens) for rid in spanning), error=self._error))
+            left_out_tokens=sum(len(run.outputs[rid].tokens) for rid in spanning), error=self._error,
+            routing_replayed=bool(self._replayed)))
 
     def _compare(self, outputs: dict[int, RequestOutput], ids: set[int], when: str) -> None:
         if not ids or self._error is not None:
@@ -471,6 +488,7 @@ class TrainerComparison:
         self._requests.extend(compared.requests)
         self._seconds += compared.seconds
         self._done |= ids
+        self._replayed = compared.routing_replayed and self._replayed is not False
 
 
 @dataclass
@@ -517,6 +535,8 @@ class TrainerLogProbs:
         tokens = sum(r.tokens for r in self.runs)
         left_out = (f"(left out, in flight across a weight update: {sum(len(r.left_out) for r in self.runs)} "
                     f"requests, {sum(r.left_out_tokens for r in self.runs)} tokens)")
+        replayed = sum(r.routing_replayed for r in self.runs)
+        left_out += f" with the engine's MoE routing replayed in {replayed} of {len(self.runs)} runs" if replayed else ""
         if self.mode == "matched":
             return (f"trainer log-probs (matched) bit-identical to the engine's in all {tokens} compared tokens of "
                     f"{len(self.runs)} runs {left_out}")
