@@ -52,7 +52,7 @@ def test_default_case_matched_is_bit_identical_caching_on_and_off(tmp_path, capf
             "out, in flight across a weight update: 0 requests, 0 tokens)") in capfd.readouterr().out
     written = json.loads(out.read_text())
     identical = {"tokens": 112, "bit_identical_tokens": 112, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0,
-                 "left_out_requests": 0, "left_out_tokens": 0}
+                 "left_out_requests": 0, "left_out_tokens": 0, "routing_replayed": False}
     assert written["trainer_logprobs"] == {run: identical for run in RUNS}  # 14 requests x 8 tokens per run
     detail = written["trainer_logprobs_detail"]
     assert detail["mode"] == "matched" and list(detail["seconds"]) == list(RUNS)
@@ -194,7 +194,7 @@ def test_tiny_case_matched_multi_rank(tmp_path, torchrun, tp, pp):
     code, output, result = torchrun.ab(tmp_path, tp=tp, pp=pp, case=str(relative), extra=("--trainer-logprobs",))
     torchrun.assert_clean(tp, pp, code, output, result)
     identical = {"tokens": 18, "bit_identical_tokens": 18, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0,
-                 "left_out_requests": 0, "left_out_tokens": 0}
+                 "left_out_requests": 0, "left_out_tokens": 0, "routing_replayed": False}
     assert result["trainer_logprobs"] == {run: identical for run in RUNS[:2]}
 
 

@@ -40,7 +40,8 @@ ENGINE = {0: [-0.5, -1.5, -2.0], 1: [-0.25, -3.0], 2: []}
 def test_identical_log_probs_give_zeros_and_no_failure():
     run = compare_run("A: caching off", _outputs(ENGINE), ENGINE)
     assert run.as_json() == {"tokens": 5, "bit_identical_tokens": 5, "max_abs_diff": 0.0,
-                             "mean_abs_diff": 0.0, "k3_kl": 0.0, "left_out_requests": 0, "left_out_tokens": 0}
+                             "mean_abs_diff": 0.0, "k3_kl": 0.0, "left_out_requests": 0, "left_out_tokens": 0,
+                             "routing_replayed": False}
     assert run.first_divergent is None
     assert TrainerLogProbs("matched", [run]).failures() == []
     assert TrainerLogProbs("matched", [run, run]).pass_clause() == (
@@ -83,7 +84,7 @@ def test_json_is_keyed_by_run_label_with_exactly_the_five_figures():
     assert list(result.as_json()) == ["A: caching off", "B: caching on, ref_zero", "B: caching on, lru"]
     for figures in result.as_json().values():
         assert set(figures) == {"tokens", "bit_identical_tokens", "max_abs_diff", "mean_abs_diff", "k3_kl",
-                                "left_out_requests", "left_out_tokens"}
+                                "left_out_requests", "left_out_tokens", "routing_replayed"}
     detail = result.detail_json()
     assert detail["mode"] == "matched" and set(detail["seconds"]) == set(result.as_json())
     assert detail["error"] == {label: None for label in result.as_json()}
