@@ -268,7 +268,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     policies = list(dict.fromkeys(args.policy or ("ref_zero", "lru")))  # a repeated --policy runs once
     tokenizer = resolve_tokenizer(args.tokenizer, args.tokenizer_library)
     case = soak_case(args.requests, args.seed, policies, chunked_prefill=not args.no_chunked_prefill,
-                     update_every=args.update_every, hybrid=args.hybrid)
+                     update_every=args.update_every, hybrid=args.hybrid, moe=args.moe)
     if tokenizer is not None:
         case, grown = fit_vocab(case, tokenizer.vocab_size)
         if grown:
@@ -511,10 +511,14 @@ def _add_soak(sub: Any) -> None:
                         help="a weight update every N engine steps: seeded noise added to every parameter, "
                         "then megatron_ext.invalidate_prefix_cache(engine) (requests arriving after an "
                         "update belong to the next round; the stale-hit audit counts matches of older KV)")
-    p_soak.add_argument("--hybrid", action="store_true",
+    soak_model = p_soak.add_mutually_exclusive_group()
+    soak_model.add_argument("--hybrid", action="store_true",
                         help="a tiny hybrid (Mamba + attention) model with a Mamba prefix cache and shorter requests "
                         "(prompts <= 64 tokens); Mamba restores are audited. On the CPU set TRITON_INTERPRET=1 "
                         "MAMBA_DETERMINISTIC=1 (seconds per engine step: use tens of requests)")
+    soak_model.add_argument("--moe", action="store_true",
+                        help="a mixture-of-experts model (4 experts, top-2, routing replay): the routing replay "
+                        "is audited and the allocator's stored block routing reported at its largest")
     p_soak.add_argument("--unpatched", action="store_true",
                         help="run megatron-core as released, without megatron-ext's runtime patches")
     _add_tokenizer_arguments(p_soak, "the generated prompts", "their lengths are then in characters, not "

@@ -82,3 +82,15 @@ def test_hybrid_variant_is_a_small_hybrid_model_with_short_prompts():
     assert max(p.arrival_step for p in planned) == 575
     assert soak_case(12, seed=0, hybrid=True).requests == soak_case(12, seed=0, hybrid=True).requests
     assert soak_case(100, seed=0) == soak_case(100, seed=0, hybrid=False)  # the GPT soak is unchanged
+
+
+def test_moe_variant_is_the_soak_workload_on_a_routing_replay_model():
+    case = soak_case(300, seed=3, moe=True)
+    plain = soak_case(300, seed=3)
+    assert case.name == "soak-300-seed3-moe" and case.requests == plain.requests
+    assert case.inference == plain.inference == SOAK_INFERENCE
+    assert (case.model.num_experts, case.model.moe_router_topk, case.model.moe_ffn_hidden_size,
+            case.model.params_dtype, case.model.hidden_size) == (4, 2, 64, "fp32", 64)
+    assert "routing_replay" in case.model.features and "moe" in case.model.features
+    with pytest.raises(ValueError, match="--hybrid and --moe are two models"):
+        soak_case(10, hybrid=True, moe=True)

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 #: The tiny model every shipped case uses.
 SOAK_MODEL = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, params_dtype="bf16", seed=1234)
 
+#: ``soak --moe``: the soak model with 4 experts, top-2 routing and routing replay (fp32, so the
+#: routing of a token does not hang on bf16 ties between experts).
+SOAK_MOE_MODEL = SOAK_MODEL.model_copy(update={"params_dtype": "fp32", "num_experts": 4, "moe_router_topk": 2,
+                                               "moe_ffn_hidden_size": 64, "moe_enable_routing_replay": True})
+
 #: KV pool of 48 usable blocks of 16 tokens (bf16, 2 layers x 4 heads x 16 channels x K,V = 8 KiB a
 #: block; megatron-core adds one dummy block), up to 16 requests, 64-token prefill chunks.
 SOAK_INFERENCE = InferenceSpec(block_size_tokens=16, buffer_size_gb=49 * 8192 / 1024**3, max_requests=16,
@@ -112,6 +117,7 @@ def soak_case(
     chunked_prefill: bool = True,
     update_every: Optional[int] = None,
     hybrid: bool = False,
+    moe: bool = False,
 ) -> Case:
     """A reproducible soak workload of exactly ``requests`` engine requests.
 
@@ -130,6 +136,8 @@ def soak_case(
             1-2 steps between turns); the same kinds of groups (rollouts, conversations, questions
             under the shared system prompts, cut to half the prompt budget). Needs Triton's
             interpreter on the CPU (``TRITON_INTERPRET=1 MAMBA_DETERMINISTIC=1``).
+        moe: the mixture-of-experts model :data:`SOAK_MOE_MODEL` (routing replay audited; the
+            figures give the allocator's stored block routing at its largest). Not with ``hybrid``.
 
     Returns:
         A :class:`Case` named ``soak-<requests>-seed<seed>`` (``-hybrid`` for a hybrid model;
@@ -138,11 +146,13 @@ def soak_case(
         matched block.
 
     Raises:
-        ValueError: ``requests`` < 1.
+        ValueError: ``requests`` < 1, or both ``hybrid`` and ``moe``.
         CaseFileError: unknown policy (the case schema refuses it, naming the field).
     """
     if requests < 1:
         raise ValueError(f"soak: --requests must be >= 1, got {requests}")
+    if hybrid and moe:
+        raise ValueError("soak: --hybrid and --moe are two models; pick one")
     longest, most_generated, gap = ((HYBRID_MAX_PROMPT_TOKENS, HYBRID_MAX_GENERATED_TOKENS, HYBRID_MEAN_ARRIVAL_GAP_STEPS)
                                     if hybrid else (MAX_PROMPT_TOKENS, MAX_GENERATED_TOKENS, MEAN_ARRIVAL_GAP_STEPS))
     system_prompts = tuple(s[:longest // 2] for s in _SYSTEM_PROMPTS) if hybrid else _SYSTEM_PROMPTS
@@ -182,13 +192,13 @@ def soak_case(
         specs, updates = with_weight_updates(specs, update_every, seed)
     try:
         return Case(
-            name=f"soak-{requests}-seed{seed}" + ("-hybrid" if hybrid else "") + ("" if chunked_prefill else "-unchunked")
+            name=f"soak-{requests}-seed{seed}" + ("-hybrid" if hybrid else "") + ("-moe" if moe else "") + ("" if chunked_prefill else "-unchunked")
             + ("" if update_every is None else f"-update-every-{update_every}"),
             weight_updates=updates,
             description=f"Generated soak workload: {requests} requests (RL rollouts, multi-turn "
                         f"conversations, shared system prompts), seed {seed}, "
                         + ("hybrid M*M model, Mamba prefix cache." if hybrid else "48-block KV pool."),
-            model=SOAK_HYBRID_MODEL if hybrid else SOAK_MODEL,
+            model=SOAK_HYBRID_MODEL if hybrid else SOAK_MOE_MODEL if moe else SOAK_MODEL,
             inference=inference,
             prefix_caching_eviction_policies=list(policies),
             requests=specs,
@@ -256,6 +266,10 @@ def soak_summary(result: "ABResult") -> dict[str, Any]:
                 "mamba_restores": run.audit.mamba_restores, "mamba_restores_failed": run.audit.mamba_restores_failed,
                 "mamba_restore_violations": run.audit.mamba_restore_violations,
                 "kv_writes_redirected": run.audit.kv_writes_redirected}),
+            **({} if "routing_replay" not in result.case.model.features else {
+                "routing_tokens_checked": run.audit.routing_tokens_checked,
+                "routing_replay_violations": run.audit.routing_replay_violations,
+                "block_routing_max_entries": run.audit.block_routing_max_entries}),
             "weight_updates": len(run.updates),
             "error": run.error,
         }
@@ -272,6 +286,8 @@ def soak_lines(summary: dict[str, Any]) -> list[str]:
         f"evicted, {run['cached_blocks_evicted']} cached blocks evicted"
         + (f", {run['mamba_restores']} Mamba restores ({run['mamba_restores_failed']} failed)"
            if "mamba_restores" in run else "")
+        + (f", stored block routing at most {run['block_routing_max_entries']} blocks"
+           if "block_routing_max_entries" in run else "")
         + (f"; megatron-core raised: {run['error']}" if run["error"] else "")
         for name, run in summary["runs"].items()
     ]
