@@ -19,6 +19,7 @@ from .. import env, mcore
 from .cases.schema import Case
 from .dtypes import TORCH_DTYPES
 from .hybrid import build_hybrid_model, mamba_inference_state_config
+from .mla import mla_config_fields, mla_layer_spec
 from .tokenizer import Tokenizer, default_tokenizer
 
 
@@ -89,7 +90,8 @@ def transformer_config(case: Case) -> Any:
     ``layernorm_epsilon``); the RoPE and bias-activation fusions are always off (they need
     Transformer Engine or a GPU compiler). A hybrid model (``hybrid_layer_pattern``) also gets
     the case's Mamba sizes (``mamba_state_dim``, ``mamba_head_dim``, ``mamba_num_groups``,
-    ``mamba_num_heads``).
+    ``mamba_num_heads``). A multi-latent attention model gets an ``MLATransformerConfig`` with
+    its MLA sizes (:func:`megatron_ext.harness.mla.mla_config_fields`).
     """
     module = mcore.import_module("megatron.core.transformer.transformer_config")
     spec = case.model
@@ -103,7 +105,11 @@ def transformer_config(case: Case) -> Any:
     if spec.is_hybrid:
         optional.update(mamba_state_dim=spec.mamba_state_dim, mamba_head_dim=spec.mamba_head_dim,
                         mamba_num_groups=spec.mamba_num_groups, mamba_num_heads=spec.mamba_num_heads)
-    return module.TransformerConfig(
+    config_class = module.TransformerConfig
+    if spec.multi_latent_attention:
+        config_class = module.MLATransformerConfig
+        optional.update(mla_config_fields(spec))
+    return config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -158,6 +164,8 @@ def build_model(case: Case) -> Any:
     )
     if spec.is_hybrid:
         model = build_hybrid_model(spec, **shared)
+    elif spec.multi_latent_attention:
+        model = gpt_model.GPTModel(transformer_layer_spec=mla_layer_spec(spec), **shared)
     else:
         layer_options = {} if spec.normalization == "LayerNorm" else {"normalization": spec.normalization}
         model = gpt_model.GPTModel(
