@@ -425,22 +425,22 @@ def _model(args: _ArgReader) -> dict[str, Any]:
 
 def _mla_model(args: _ArgReader) -> dict[str, Any]:
     """The multi-latent attention fields (``--multi-latent-attention`` and its sizes, Megatron-LM's
-    defaults where absent). Nothing without ``--multi-latent-attention`` (sizes alone are refused
-    by the model section).
+    defaults where absent). Nothing without ``--multi-latent-attention``.
 
     Raises:
-        CaseFileError: the installed release cannot run MLA (named with the argument), RoPE other
+        CaseFileError: MLA sizes without ``--multi-latent-attention``;
+            the installed release cannot run MLA (named with the argument), RoPE other
             than ``--rope-type rope`` (Megatron-LM's MLA default is yarn), ``--cache-mla-latents``
             false, or a block size other than 64.
     """
     from .mla import MLA_BLOCK_SIZE_TOKENS, MLA_SERIES
 
     if not args.get("--multi-latent-attention", _flag, False):
-        model = {}
-        for arg, (name, _) in MLA_ARGS.items():
-            if arg in args.args:
-                model[name] = args.get(arg, int)
-        return model
+        sizes = [arg for arg in MLA_ARGS if arg in args.args]
+        if sizes:
+            raise CaseFileError(f"{args.path}: {', '.join(sizes)} without --multi-latent-attention: Megatron-LM "
+                                "uses them only with it; add it or remove them")
+        return {}
     version = mcore.installed_version()
     if mcore.release_series(version) not in MLA_SERIES:
         raise CaseFileError(f"{args.path}: refused: --multi-latent-attention (megatron-core {version} cannot run "

@@ -79,6 +79,18 @@ def check_mla_run(case: Any, version: str, tensor_model_parallel_size: int = 1,
                                   f"weights only; drop {', '.join(unsupported)}")
 
 
+def check_mla_checkpoint(case: Any) -> None:
+    """Refuse ``save-checkpoint`` of an MLA case: its Megatron-LM arguments (``checkpoint_args``)
+    describe GPT attention only, so the checkpoint could not be loaded as the model it holds.
+
+    Raises:
+        MLAUnsupportedError: ``case.model.multi_latent_attention`` is set.
+    """
+    if getattr(case.model, "multi_latent_attention", False):
+        raise MLAUnsupportedError(f"save-checkpoint: case '{case.name}' is a multi-latent attention model, which "
+                                  "megatron-ext runs with seeded weights only (no checkpoints of it yet)")
+
+
 def mla_config_fields(spec: Any) -> dict[str, Any]:
     """``MLATransformerConfig`` fields of an MLA :class:`~megatron_ext.harness.cases.ModelSpec`.
 

@@ -1,0 +1,101 @@
+"""The shipped multi-latent attention case (``mla_tiny``) through megatron-core's own engine on the CPU.
+
+0.18 and 0.19 run it: caching on vs off bit-identical, every audit clean, the latent writes of
+tokens recomputed inside matched blocks sent to the dummy block (fix 2 on the latent path), and
+without ``matched-block-writes`` the KV-write audit names the one matched block written. 0.17
+cannot run MLA with prefix caching (:mod:`megatron_ext.harness.mla`): there ``ab`` refuses by name
+and exits 2 before building anything.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import megatron_ext
+from functional_tests.conftest import SERIES
+from megatron_ext import cli, mcore
+from megatron_ext.harness import ab
+from megatron_ext.harness.ab import run_ab
+from megatron_ext.harness.cases import load_case
+from megatron_ext.harness.mla import MLA_SERIES, MLAUnsupportedError, check_mla_run
+from unit_tests.conftest import one_error_line
+
+RUNS_MLA = SERIES in MLA_SERIES
+REFUSAL = (f"case 'mla_tiny': multi-latent attention with prefix caching does not run on megatron-core "
+           f"{mcore.installed_version()}: its flash_decode_and_prefill sends a mixed step whose queries all have "
+           "one token to the FlashMLA decode kernel with unabsorbed queries; use megatron-core 0.18 or 0.19")
+#: greedy tokens of the four requests, the same with caching off and on (bf16, seed 1234)
+TOKENS = [[63, 220, 165, 59, 171, 15], [206] * 6, [220, 165, 59, 171, 15, 28], [63, 220, 165, 59, 171, 15]]
+#: the exact prefix (request 2) recomputes the second matched block: 64 tokens x 2 layers
+REDIRECTED = 128
+
+
+def _run(monkeypatch, skip: str | None):
+    megatron_ext.revert()
+    if skip:
+        monkeypatch.setenv("MEGATRON_EXT_SKIP", skip)
+    try:
+        return run_ab(load_case("mla_tiny"), patched=True)
+    finally:
+        megatron_ext.revert()
+
+
+@pytest.mark.slow
+def test_mla_tiny_is_bit_identical_with_latent_writes_redirected(monkeypatch):
+    if not RUNS_MLA:
+        with pytest.raises(MLAUnsupportedError) as error:
+            _run(monkeypatch, None)
+        assert str(error.value) == REFUSAL
+        return
+    result = _run(monkeypatch, None)
+    assert result.invariance[0], result.invariance[1]
+    assert result.failures() == [] and result.bit_identical and result.exit_code() == 0
+    assert result.as_json()["model_features"] == ["mla"]
+    assert [o.tokens for o in result.baseline.outputs.values()] == TOKENS
+    for policy in result.policies:
+        audit, counters = policy.run.audit, policy.run.counters
+        assert (policy.run.eviction_policy, counters.blocks_matched, counters.prefill_tokens_skipped) in (
+            ("ref_zero", 4, 192), ("lru", 4, 192))
+        assert (audit.kv_write_violations, audit.kv_writes_checked, audit.kv_writes_redirected) == (0, 636, REDIRECTED)
+        assert (audit.refcount_violations, audit.lru_violations, audit.stale_hits) == (0, 0, 0)
+        assert [o.tokens for o in policy.run.outputs.values()] == TOKENS
+
+
+@pytest.mark.slow
+def test_mla_tiny_without_matched_block_writes_writes_latents_into_a_matched_block(monkeypatch):
+    if not RUNS_MLA:
+        with pytest.raises(MLAUnsupportedError) as error:
+            _run(monkeypatch, "matched-block-writes")
+        assert str(error.value) == REFUSAL
+        return
+    result = _run(monkeypatch, "matched-block-writes")
+    assert next(p for p in result.patches if p["patch"] == "matched-block-writes")["state"] == "not applied"
+    assert result.failures() == ["fault 2 (matched-block-writes): 2 KV writes into blocks obtained by a hash match"]
+    assert result.exit_code() == 1
+    for policy in result.policies:
+        audit = policy.run.audit
+        assert (audit.kv_write_violations, audit.kv_writes_redirected) == (1, 0)
+        assert audit.examples == {"kv_write": ["step 2: request 2 wrote KV into block 49, obtained by hash match"]}
+
+
+def test_mla_options_it_cannot_run_exit_2_before_building(monkeypatch, capsys):
+    monkeypatch.setattr(ab, "build_model", lambda *a, **k: pytest.fail("built a model for a refused MLA run"))
+    assert cli.main(["ab", "--case", "mla_tiny", "--no-progress", "--trainer-logprobs"]) == 2
+    assert one_error_line(capsys) == "megatron-ext: error: " + (REFUSAL if not RUNS_MLA else (
+        "case 'mla_tiny': multi-latent attention models run single-rank with seeded weights only; drop "
+        "--trainer-logprobs"))
+
+
+def test_check_mla_run_names_every_option_it_cannot_run():
+    case = load_case("mla_tiny")
+    updates = load_case("rl_weight_update").weight_updates
+    with_updates = case.model_copy(update={"weight_updates": updates})
+    with pytest.raises(MLAUnsupportedError) as error:
+        check_mla_run(with_updates, "0.19.2", 2, 1, load="/ckpt", trainer_logprobs="matched")
+    assert str(error.value) == (
+        "case 'mla_tiny': multi-latent attention models run single-rank with seeded weights only; drop "
+        "tensor/pipeline parallelism (TP=2 PP=1), a checkpoint (--load), --trainer-logprobs, weight_updates")
+    with pytest.raises(MLAUnsupportedError, match="does not run on megatron-core 0.17.1"):
+        check_mla_run(case, "0.17.1")
+    check_mla_run(case, "0.18.2")  # a plain run on 0.18 / 0.19 passes
+    check_mla_run(load_case("rl_rollouts"), "0.17.1")  # a GPT case is never an MLA case
