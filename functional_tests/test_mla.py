@@ -10,14 +10,20 @@ and exits 2 before building anything.
 from __future__ import annotations
 
 import pytest
+import torch
 
 import megatron_ext
 from functional_tests.conftest import SERIES
 from megatron_ext import cli, mcore
 from megatron_ext.harness import ab
 from megatron_ext.harness.ab import run_ab
-from megatron_ext.harness.cases import load_case
-from megatron_ext.harness.mla import MLA_SERIES, MLAUnsupportedError, check_mla_run
+from megatron_ext.cpu_backend import cpu_backend
+from megatron_ext.harness import engine
+from megatron_ext.harness.cases import Case, load_case, plan_requests
+from megatron_ext.harness.engine import build_engine, build_model, ensure_model_parallel
+from megatron_ext.harness.step_loop import RunRecord, drive
+from megatron_ext.harness.tokenizer import default_tokenizer
+from megatron_ext.harness.mla import MLA_SERIES, MLAUnsupportedError, check_mla_run, mla_config_fields
 from unit_tests.conftest import one_error_line
 
 RUNS_MLA = SERIES in MLA_SERIES
@@ -25,7 +31,8 @@ REFUSAL = (f"case 'mla_tiny': multi-latent attention with prefix caching does no
            f"{mcore.installed_version()}: its flash_decode_and_prefill sends a mixed step whose queries all have "
            "one token to the FlashMLA decode kernel with unabsorbed queries; use megatron-core 0.18 or 0.19")
 #: greedy tokens of the four requests, the same with caching off and on (bf16, seed 1234)
-TOKENS = [[63, 220, 165, 59, 171, 15], [206] * 6, [220, 165, 59, 171, 15, 28], [63, 220, 165, 59, 171, 15]]
+TOKENS = [[63, 220, 121, 63, 220, 121], [206, 206, 206, 126, 59, 61], [220, 121, 1, 118, 117, 126],
+          [63, 220, 121, 1, 118, 117]]
 #: the exact prefix (request 2) recomputes the second matched block: 64 tokens x 2 layers
 REDIRECTED = 128
 
@@ -99,3 +106,48 @@ def test_check_mla_run_names_every_option_it_cannot_run():
         check_mla_run(case, "0.17.1")
     check_mla_run(case, "0.18.2")  # a plain run on 0.18 / 0.19 passes
     check_mla_run(load_case("rl_rollouts"), "0.17.1")  # a GPT case is never an MLA case
+
+
+def _greedy_uncached(model, prompt: list[int], count: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probs from megatron-core's MLA forward without an inference
+    context (full sequences, uncompressed keys and values, the reference core attention)."""
+    tokens, log_probs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(count):
+            logits = model(torch.tensor([tokens]), torch.arange(len(tokens))[None], None, runtime_gather_output=True)
+            row = torch.log_softmax(logits[0, -1].float(), dim=-1)
+            tokens.append(int(row.argmax()))
+            log_probs.append(float(row[tokens[-1]]))
+    return tokens[len(prompt):], log_probs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qk_layernorm", [True, False], ids=["qk_layernorm", "no_qk_layernorm"])
+def test_the_engine_on_the_cpu_stand_ins_matches_the_uncached_mla_forward(monkeypatch, qk_layernorm):
+    """The latent path end to end (latent cache, uncompressed prefill, FlashMLA stand-in decode with
+    absorbed queries, the split's KV norm, the decode flag) against the same weights' uncached
+    forward: same greedy tokens, log-probs within 2e-6 (fp32; measured at most 7.2e-7). 0.17 runs
+    the engine with prefix caching off, the configuration it can run MLA in."""
+    data = load_case("mla_tiny").model_dump()
+    data["model"].update(params_dtype="fp32", qk_layernorm=qk_layernorm)
+    case = Case.model_validate(data)
+    planned = plan_requests(case, default_tokenizer())
+    megatron_ext.revert()
+    with cpu_backend():
+        ensure_model_parallel()
+        # the same seeded weights without cached latents: megatron-core's uncached MLA forward
+        monkeypatch.setattr(engine, "mla_config_fields", lambda spec: {
+            **mla_config_fields(spec), "cache_mla_latents": False})
+        uncached = build_model(case)
+        monkeypatch.undo()
+        expected = {p.request_id: _greedy_uncached(uncached, p.prompt_tokens, p.num_tokens_to_generate)
+                    for p in planned}
+        model = build_model(case)
+        engine_, context = build_engine(model, case, RUNS_MLA, "ref_zero")
+        record = RunRecord(RUNS_MLA, "ref_zero")
+        drive(engine_, context, case, planned, record)
+    assert record.error is None
+    for request_id, (tokens, log_probs) in expected.items():
+        output = record.outputs[request_id]
+        assert output.tokens == tokens
+        assert max(abs(a - b) for a, b in zip(output.log_probs, log_probs)) <= 2e-6

@@ -227,8 +227,6 @@ _MLA = ("name: m\nrequests: [{prompt: hi}]\ninference: {block_size_tokens: %s}\n
 @pytest.mark.parametrize("block, model, message", [
     (16, "kv_lora_rank: 32", "inference.block_size_tokens is 16 but a multi_latent_attention model's latent KV cache "
                              "needs 64 (megatron-core asserts it); set block_size_tokens: 64"),
-    (64, "qk_layernorm: true", "multi_latent_attention: qk_layernorm (megatron-core's latent cache then needs "
-                               "Transformer Engine's fused norm + linear split, which the CPU has not)"),
     (64, "position_embedding_type: learned_absolute", "multi_latent_attention: position_embedding_type must be rope"),
     (64, "qk_pos_emb_head_dim: 7", "qk_pos_emb_head_dim must be even (RoPE rotates channel pairs)"),
     (64, "hybrid_layer_pattern: 'M*M'", "multi_latent_attention: hybrid_layer_pattern (MLA is for GPT models here)"),

@@ -66,13 +66,16 @@ def test_reference_core_attention_is_causal_attention_with_the_layer_scale():
         core(q, k[:3], v[:3], attention_mask=None)
 
 
-def test_split_norm_linear_has_no_norm_to_split_and_refuses_a_kv_norm():
+def test_split_norm_linear_keeps_the_layers_own_kv_norm():
     identity = mcore.import_module("megatron.core.transformer.identity_op").IdentityOp
-    linear = torch.nn.Linear(4, 4)
+    linear, rms = torch.nn.Linear(4, 4), torch.nn.RMSNorm(4)
     norm, same = mla.split_norm_linear(linear, types.SimpleNamespace(qk_layernorm=False))
-    assert isinstance(norm, identity) and same is linear  # weights shared, not copied
-    with pytest.raises(NotImplementedError, match="qk_layernorm"):
+    assert isinstance(norm, identity) and same is linear  # no KV norm: weights shared, not copied
+    with pytest.raises(NotImplementedError, match="the KV norm of this linear_kv_up_proj is unknown"):
         mla.split_norm_linear(linear, types.SimpleNamespace(qk_layernorm=True))
+    mla.register_kv_norm(linear, rms)
+    norm, same = mla.split_norm_linear(linear, types.SimpleNamespace(qk_layernorm=True))
+    assert norm is rms and same is linear
 
 
 def test_mla_on_cpu_installs_and_restores():

@@ -184,7 +184,7 @@ MLA_ARGS = {
     **{k: v for k, v in MODEL_ARGS.items() if k not in ("--use-checkpoint-args", "--load", "--tokenizer-type",
                                                           "--tokenizer-model", "--enable-chunked-prefill")},
     "--normalization": "RMSNorm", "--position-embedding-type": "rope", "--disable-bias-linear": True,
-    "--multi-latent-attention": True, "--q-lora-rank": 32, "--kv-lora-rank": 24, "--qk-head-dim": 16,
+    "--qk-layernorm": True, "--multi-latent-attention": True, "--q-lora-rank": 32, "--kv-lora-rank": 24, "--qk-head-dim": 16,
     "--qk-pos-emb-head-dim": 8, "--v-head-dim": 12, "--rope-type": "rope", "--cache-mla-latents": True,
     "--inference-dynamic-batching-block-size": 64,
 }
@@ -202,8 +202,8 @@ def test_multi_latent_attention_arguments_map_to_the_model_section_or_are_refuse
     mc = load_megatron_case(write(tmp_path, MLA_ARGS))
     model = mc.case.model
     assert (model.multi_latent_attention, model.q_lora_rank, model.kv_lora_rank, model.qk_head_dim,
-            model.qk_pos_emb_head_dim, model.v_head_dim, model.position_embedding_type, model.features) == (
-        True, 32, 24, 16, 8, 12, "rope", ["mla"])
+            model.qk_pos_emb_head_dim, model.v_head_dim, model.position_embedding_type, model.qk_layernorm,
+            model.features) == (True, 32, 24, 16, 8, 12, "rope", True, ["mla"])
     assert mc.case.inference.block_size_tokens == 64
     assert not ({"--multi-latent-attention", "--rope-type", "--cache-mla-latents"} & {a for a, _ in mc.ignored})
     # sizes the file leaves out take Megatron-LM's defaults, not the model section's
@@ -220,8 +220,6 @@ def test_multi_latent_attention_arguments_map_to_the_model_section_or_are_refuse
                                      "attention with cached latents only"),
     ({"--inference-dynamic-batching-block-size": 16}, "--multi-latent-attention needs "
                                                       "--inference-dynamic-batching-block-size 64"),
-    ({"--qk-layernorm": True}, "multi_latent_attention: qk_layernorm (megatron-core's latent cache then needs "
-                               "Transformer Engine's fused norm + linear split"),
 ])
 def test_multi_latent_attention_refusals_name_the_argument(tmp_path, change, message):
     args = {k: v for k, v in {**MLA_ARGS, **change}.items() if v is not None}

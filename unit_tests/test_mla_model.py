@@ -9,7 +9,7 @@ import torch
 
 from megatron_ext import mcore
 from megatron_ext.cpu_backend import cpu_backend
-from megatron_ext.cpu_backend.mla import ReferenceMLACoreAttention
+from megatron_ext.cpu_backend.mla import ReferenceMLACoreAttention, split_norm_linear
 from megatron_ext.harness.cases import load_case
 from megatron_ext.harness.engine import build_model, ensure_model_parallel
 from megatron_ext.harness.mla import mla_self_attention_class
@@ -30,6 +30,10 @@ def test_mla_tiny_builds_megatron_cores_mla_layers_with_cached_latents():
     assert isinstance(attention.core_attention, ReferenceMLACoreAttention)
     assert attention.core_attention.softmax_scale == attention.softmax_scale == 1 / math.sqrt(16 + 8)
     assert tuple(attention.linear_kv_up_proj.weight.shape) == (4 * (16 + 16), 32)
+    # qk_layernorm: the local spec's own KV norm, which the latent path's split keeps
+    norm = attention.kv_layernorm
+    assert type(norm).__name__ != "IdentityOp" and tuple(norm.weight.shape) == (32,)
+    assert split_norm_linear(attention.linear_kv_up_proj, config) == (norm, attention.linear_kv_up_proj)
     assert next(model.parameters()).dtype is torch.bfloat16
 
 

@@ -13,7 +13,7 @@ uncompressed from the latent cache):
 * Transformer Engine's ``split_te_layernorm_column_parallel_linear``, which
   ``MultiLatentAttention.prepare_for_absorption`` calls on ``linear_kv_up_proj`` to take the KV
   norm out of a fused norm + linear (None without TE). :func:`split_norm_linear` serves the local
-  layer spec without query/key norms, whose KV up-projection has no norm to split.
+  layer spec, whose KV norm is a module of its own (``kv_layernorm``) already.
 
 :func:`mla_on_cpu` installs the three while enabled. Numerics follow :mod:`.attention`: every
 query token on its own, in float32, so results do not depend on the batch.
@@ -22,6 +22,7 @@ query token on its own, in float32, so results do not depend on the batch.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -92,23 +93,38 @@ def flash_mla_attention(
     return out, lse
 
 
+#: ``linear_kv_up_proj`` -> the KV norm its layer applies before it, for layers built from
+#: megatron-core's local spec, which keeps that norm in ``kv_layernorm`` (TE fuses it into the linear).
+_KV_NORMS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
+
+
+def register_kv_norm(linear: torch.nn.Module, norm: torch.nn.Module) -> None:
+    """Record that ``norm`` (an MLA layer's ``kv_layernorm``) is the KV norm applied before
+    ``linear`` (its ``linear_kv_up_proj``), for :func:`split_norm_linear`. Held weakly."""
+    _KV_NORMS[linear] = norm
+
+
 def split_norm_linear(fused_layer: Any, config: Any, init_method: Any = None, tp_group: Any = None) -> tuple[Any, Any]:
     """Stand-in for TE's ``split_te_layernorm_column_parallel_linear`` on the local layer spec.
 
     ``prepare_for_absorption`` asks for ``linear_kv_up_proj`` as ``(norm, linear)`` and makes the
-    norm the layer's ``kv_layernorm``. Without query/key norms (``config.qk_layernorm`` False) the
-    local spec's KV up-projection is a plain ``ColumnParallelLinear`` with no norm: the answer is an
-    ``IdentityOp`` (what ``kv_layernorm`` already is) and the layer itself, weights shared, not copied.
+    norm the layer's ``kv_layernorm``. The local spec's KV up-projection is a plain
+    ``ColumnParallelLinear`` whose norm already is ``kv_layernorm``: the answer is that norm (as
+    :func:`register_kv_norm` recorded it; without query/key norms an ``IdentityOp``, what
+    ``kv_layernorm`` then is) and the layer itself, weights shared, not copied. So the latent cache
+    holds the normalized compressed KV, as with TE's fused layer.
 
     Raises:
-        NotImplementedError: ``config.qk_layernorm`` is set: the local spec keeps that KV norm in
-            ``kv_layernorm``, outside the linear, and replacing it by an identity would change the
-            model.
+        NotImplementedError: ``config.qk_layernorm`` is set and no norm was registered for
+            ``fused_layer``: an identity in place of the layer's KV norm would change the model.
     """
+    norm = _KV_NORMS.get(fused_layer)
+    if norm is not None:
+        return norm, fused_layer
     if getattr(config, "qk_layernorm", False):
         raise NotImplementedError(
-            "MLA with qk_layernorm and cache_mla_latents needs Transformer Engine's fused norm + linear "
-            "(split_te_layernorm_column_parallel_linear); the CPU backend's local layer spec has none")
+            "MLA with qk_layernorm and cache_mla_latents: the KV norm of this linear_kv_up_proj is unknown "
+            "(megatron_ext.cpu_backend.mla.register_kv_norm records it for megatron-ext's MLA layers)")
     from .. import mcore
 
     identity = mcore.import_module("megatron.core.transformer.identity_op").IdentityOp

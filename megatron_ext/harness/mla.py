@@ -111,11 +111,19 @@ def mla_self_attention_class() -> type:
     (Megatron-LM #4901, #4902 on main). The subclass fills it in: a step is decode-only exactly when
     the latent path hands no value tensor (``key_value_cache`` returns the latent cache alone in
     decode-only steps; prefill and mixed steps uncompress keys and values from it). Everything else
-    is megatron-core's class."""
+    is megatron-core's class. Its KV norm is registered for the CPU backend's stand-in of TE's
+    norm / linear split (:func:`~megatron_ext.cpu_backend.mla.register_kv_norm`)."""
+    from ..cpu_backend.mla import register_kv_norm
+
     base = mcore.import_module("megatron.core.transformer.multi_latent_attention").MLASelfAttention
 
     class MLASelfAttentionWithDecodeFlag(base):
         """``MLASelfAttention`` whose dynamic-batching call passes ``is_decode_only``."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # the local spec's KV norm is kv_layernorm itself: what the latent path's split must keep
+            register_kv_norm(self.linear_kv_up_proj, self.kv_layernorm)
 
         def flash_decode_and_prefill(self, q, k, v, *args, **kwargs):  # noqa: D102 - see the factory
             if len(args) == 6 and "is_decode_only" not in kwargs:

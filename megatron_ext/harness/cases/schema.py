@@ -86,8 +86,9 @@ class ModelSpec(StrictModel):
       ``qk_pos_emb_head_dim`` (a query/key head's channels without and with RoPE), ``v_head_dim``.
       The KV cache holds ``kv_lora_rank + qk_pos_emb_head_dim`` latent channels per token and layer
       (``cache_mla_latents``, the only way megatron-core's dynamic engine runs MLA), which needs
-      ``inference.block_size_tokens`` 64, ``position_embedding_type: rope`` and no ``qk_layernorm``
-      on the CPU; ``num_attention_heads`` heads, ``kv_channels`` / ``num_query_groups`` unused.
+      ``inference.block_size_tokens`` 64 and ``position_embedding_type: rope``; ``qk_layernorm``
+      puts RMS/LayerNorms on the compressed query and KV (DeepSeek's q_a / kv_a norms);
+      ``num_attention_heads`` heads, ``kv_channels`` / ``num_query_groups`` unused.
     """
 
     num_layers: int = Field(2, ge=1)
@@ -179,8 +180,6 @@ class ModelSpec(StrictModel):
             ("hybrid_layer_pattern (MLA is for GPT models here)", self.is_hybrid),
             ("position_embedding_type must be rope (MLA applies RoPE to its qk_pos_emb_head_dim channels)",
              self.position_embedding_type != "rope"),
-            ("qk_layernorm (megatron-core's latent cache then needs Transformer Engine's fused norm + linear "
-             "split, which the CPU has not)", self.qk_layernorm),
             ("qk_pos_emb_head_dim must be even (RoPE rotates channel pairs)", self.qk_pos_emb_head_dim % 2)) if bad]
         if problems:
             raise ValueError(f"multi_latent_attention: {'; '.join(problems)}")
