@@ -23,7 +23,8 @@ from megatron_ext.harness.cases import Case, load_case, plan_requests
 from megatron_ext.harness.engine import build_engine, build_model, ensure_model_parallel
 from megatron_ext.harness.step_loop import RunRecord, drive
 from megatron_ext.harness.tokenizer import default_tokenizer
-from megatron_ext.harness.mla import MLA_SERIES, MLAUnsupportedError, check_mla_run, mla_config_fields
+from megatron_ext.harness.mla import (MLA_SERIES, STEP_KIND_NOTE, MLAUnsupportedError, check_mla_run,
+                                      mla_config_fields)
 from unit_tests.conftest import one_error_line
 
 RUNS_MLA = SERIES in MLA_SERIES
@@ -151,3 +152,52 @@ def test_the_engine_on_the_cpu_stand_ins_matches_the_uncached_mla_forward(monkey
         output = record.outputs[request_id]
         assert output.tokens == tokens
         assert max(abs(a - b) for a, b in zip(output.log_probs, log_probs)) <= 2e-6
+
+
+#: ``mla_tiny`` with chunked prefill in 64-token chunks: with caching on, prefills end sooner, so
+#: engine steps 5-7 are decode-only in B but still prefill in A.
+CHUNKED = {"max_tokens": 64, "enable_chunked_prefill": True}
+
+
+@pytest.mark.slow
+def test_mla_decode_tokens_differ_when_caching_changes_which_steps_prefill(monkeypatch):
+    """Not a KV-cache fault: megatron-core's MLA decodes over the latent cache (absorbed) in
+    decode-only steps and over uncompressed keys and values in steps that also prefill (0.19).
+    0.18 skips no prefix tokens at this chunk size (every chunk recomputes), so its steps match."""
+    data = load_case("mla_tiny").model_dump()
+    data["inference"].update(CHUNKED)
+    case = Case.model_validate(data)
+    if not RUNS_MLA:
+        with pytest.raises(MLAUnsupportedError):
+            run_ab(case, patched=True)
+        return
+    context_class = mcore.import_module(mcore.DYNAMIC_CONTEXT_MODULE).DynamicInferenceContext
+    steps: list[tuple[bool, bool]] = []
+    initialize = context_class.initialize_attention_state
+
+    def recorded(self, *args, **kwargs):
+        result = initialize(self, *args, **kwargs)
+        steps.append((self.enable_prefix_caching, self.is_decode_only()))
+        return result
+
+    monkeypatch.setattr(context_class, "initialize_attention_state", recorded)
+    megatron_ext.revert()
+    try:
+        result = run_ab(case, patched=True)
+    finally:
+        megatron_ext.revert()
+    for policy in result.policies:  # every KV write accounted for, in both releases
+        assert (policy.run.audit.kv_write_violations, policy.run.audit.refcount_violations) == (0, 0)
+    off = [decode_only for caching, decode_only in steps if not caching]
+    on = [decode_only for caching, decode_only in steps if caching][:len(off)]  # the REF_ZERO run
+    if SERIES == "0.18":
+        assert result.bit_identical and off == on
+        assert [p.run.counters.prefill_tokens_skipped for p in result.policies] == [0, 0]
+        assert [p.run.audit.kv_writes_redirected for p in result.policies] == [512, 512]
+        return
+    assert off[:10] == [False] * 8 + [True, True] and on[:10] == [False] * 5 + [True] * 5
+    assert [p.run.counters.prefill_tokens_skipped for p in result.policies] == [192, 192]
+    for policy in result.policies:
+        diffs = {d.request_id: (d.tokens_equal, d.log_probs_equal, d.first_divergent_step) for d in policy.diffs}
+        assert diffs == {0: (True, False, 5), 1: (True, False, 5), 2: (True, False, 5), 3: (True, True, None)}
+    assert STEP_KIND_NOTE in result.warnings()

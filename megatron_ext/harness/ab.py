@@ -29,7 +29,7 @@ from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .rounds import left_out, update_mismatches
 from .engine import build_engine, build_model, dist_timeout, ensure_model_parallel
 from .hybrid import MAMBA_STATE_DTYPE_RULE, bf16_mamba_states, kernel_dtypes, mamba_state_dtype_warning
-from .mla import check_mla_run
+from .mla import check_mla_run, step_kind_warning
 from .step_loop import RunRecord, drive
 from .tokenizer import Tokenizer, check_vocab_fits, default_tokenizer
 from .trainer_logprobs import TrainerComparison, TrainerForward, TrainerLogProbs, check_supported
@@ -186,10 +186,12 @@ class ABResult:
         return problems
 
     def warnings(self) -> list[str]:
-        """Lines the report prints before the tables, whatever the verdict: a case that breaks a
-        rule under which a difference is known to occur (:func:`~megatron_ext.harness.hybrid.mamba_state_dtype_warning`)."""
-        line = mamba_state_dtype_warning(self.case.model) if self.policies else None
-        return [line] if line else []
+        """Lines the report prints before the tables: a case that breaks a rule under which a
+        difference is known to occur (:func:`~megatron_ext.harness.hybrid.mamba_state_dtype_warning`,
+        whatever the verdict), an MLA case that differs (:func:`~megatron_ext.harness.mla.step_kind_warning`)."""
+        lines = [mamba_state_dtype_warning(self.case.model) if self.policies else None,
+                 step_kind_warning(self.case, self.bit_identical) if self.policies else None]
+        return [line for line in lines if line]
 
     def _update_mismatches(self) -> list[str]:
         return update_mismatches(self.case, self.baseline, [(p.policy, p.run) for p in self.policies])

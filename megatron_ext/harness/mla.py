@@ -91,6 +91,21 @@ def check_mla_checkpoint(case: Any) -> None:
                                   "megatron-ext runs with seeded weights only (no checkpoints of it yet)")
 
 
+#: Why an MLA case's outputs can differ with caching on vs off without any KV-cache fault.
+STEP_KIND_NOTE = (
+    "multi-latent attention: megatron-core computes a decoding token's attention over the latent cache "
+    "(absorbed queries, FlashMLA) in decode-only steps but over keys and values uncompressed from it in "
+    "steps that also prefill; prefix caching changes which steps prefill, so such tokens can differ in "
+    "their low bits with caching on vs off (docs/ab.md, multi-latent attention)")
+
+
+def step_kind_warning(case: Any, bit_identical: bool) -> Optional[str]:
+    """:data:`STEP_KIND_NOTE` for an MLA case whose runs were not bit-identical, else None."""
+    if getattr(case.model, "multi_latent_attention", False) and not bit_identical:
+        return STEP_KIND_NOTE
+    return None
+
+
 def mla_config_fields(spec: Any) -> dict[str, Any]:
     """``MLATransformerConfig`` fields of an MLA :class:`~megatron_ext.harness.cases.ModelSpec`.
 
