@@ -15,8 +15,8 @@ Two things in megatron-core itself keep the local spec from running, in every re
   :class:`~megatron_ext.cpu_backend.mla.ReferenceMLACoreAttention` (used by a forward without an
   inference context only; the engine's steps go through ``flash_decode_and_prefill``);
 * ``MultiLatentAttention.forward`` calls ``flash_decode_and_prefill`` without its required
-  ``is_decode_only`` argument (``TypeError``; Megatron-LM #4901, fixed on main by #4902, in no
-  release): the harness's layer (:func:`mla_self_attention_class`) passes it.
+  ``is_decode_only`` argument (``TypeError``; Megatron-LM issue #4901, PR #4902 merged upstream,
+  not in 0.17.1, 0.18.2 or 0.19.2): the harness's layer (:func:`mla_self_attention_class`) passes it.
 
 0.17 cannot run MLA with prefix caching: its ``flash_decode_and_prefill`` picks the decode kernel
 when every query of a step has one token (``max_seqlen_q == 1``), not when the step is decode-only,
@@ -123,7 +123,7 @@ def mla_self_attention_class() -> type:
 
     ``MultiLatentAttention.forward`` calls ``flash_decode_and_prefill(q, k, v, max_seqlen_q,
     max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table)`` without ``is_decode_only``
-    (Megatron-LM #4901, #4902 on main). The subclass fills it in: a step is decode-only exactly when
+    (Megatron-LM issue #4901; PR #4902 upstream). The subclass fills it in: a step is decode-only exactly when
     the latent path hands no value tensor (``key_value_cache`` returns the latent cache alone in
     decode-only steps; prefill and mixed steps uncompress keys and values from it). Everything else
     is megatron-core's class. Its KV norm is registered for the CPU backend's stand-in of TE's
