@@ -230,6 +230,9 @@ _MLA = ("name: m\nrequests: [{prompt: hi}]\ninference: {block_size_tokens: %s}\n
     (64, "position_embedding_type: learned_absolute", "multi_latent_attention: position_embedding_type must be rope"),
     (64, "qk_pos_emb_head_dim: 7", "qk_pos_emb_head_dim must be even (RoPE rotates channel pairs)"),
     (64, "hybrid_layer_pattern: 'M*M'", "multi_latent_attention: hybrid_layer_pattern (MLA is for GPT models here)"),
+    (64, "qk_layernorm: true", "multi_latent_attention: qk_layernorm without q_lora_rank (megatron-core 0.19 then "
+                               "fuses a query norm into linear_q_proj, with Transformer Engine only, and 0.18 has "
+                               "none; set q_lora_rank)"),
 ])
 def test_bad_mla_model_fields_are_refused_in_one_line(block, model, message):
     with pytest.raises(CaseFileError) as raised:

@@ -208,7 +208,9 @@ def test_multi_latent_attention_arguments_map_to_the_model_section_or_are_refuse
     assert not ({"--multi-latent-attention", "--rope-type", "--cache-mla-latents"} & {a for a, _ in mc.ignored})
     # sizes the file leaves out take Megatron-LM's defaults, not the model section's
     sizes = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
-    bare = load_megatron_case(write(tmp_path, {k: v for k, v in MLA_ARGS.items() if k not in sizes})).case.model
+    # (without --qk-layernorm: no query compression with query norms is refused, see test_cases.py)
+    bare = load_megatron_case(write(tmp_path, {k: v for k, v in MLA_ARGS.items()
+                                               if k not in (*sizes, "--qk-layernorm")})).case.model
     assert (bare.q_lora_rank, bare.kv_lora_rank, bare.qk_head_dim, bare.qk_pos_emb_head_dim, bare.v_head_dim) == (
         None, 32, 128, 64, 128)
 

@@ -180,7 +180,10 @@ class ModelSpec(StrictModel):
             ("hybrid_layer_pattern (MLA is for GPT models here)", self.is_hybrid),
             ("position_embedding_type must be rope (MLA applies RoPE to its qk_pos_emb_head_dim channels)",
              self.position_embedding_type != "rope"),
-            ("qk_pos_emb_head_dim must be even (RoPE rotates channel pairs)", self.qk_pos_emb_head_dim % 2)) if bad]
+            ("qk_pos_emb_head_dim must be even (RoPE rotates channel pairs)", self.qk_pos_emb_head_dim % 2),
+            ("qk_layernorm without q_lora_rank (megatron-core 0.19 then fuses a query norm into linear_q_proj, "
+             "with Transformer Engine only, and 0.18 has none; set q_lora_rank)",
+             self.qk_layernorm and self.q_lora_rank is None)) if bad]
         if problems:
             raise ValueError(f"multi_latent_attention: {'; '.join(problems)}")
         return self
