@@ -26,8 +26,10 @@ LRU_PRESSURE_FAULTS["0.18"] = LRU_PRESSURE_FAULTS["0.17"]
 
 #: The shipped GPT cases. The hybrid ones (``hybrid_*``) need Triton's interpreter from process
 #: start, which this process cannot promise (Triton may be imported already): they run in a fresh
-#: interpreter in ``functional_tests/test_hybrid_cases.py``.
-GPT_CASES = [name for name in shipped_cases() if not load_case(name).model.is_hybrid]
+#: interpreter in ``functional_tests/test_hybrid_cases.py``. The multi-latent attention case
+#: (``mla_tiny``) runs on 0.18+ only: ``functional_tests/test_mla.py``.
+GPT_CASES = [name for name in shipped_cases()
+             if not load_case(name).model.is_hybrid and not load_case(name).model.multi_latent_attention]
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ TOKENIZER = default_tokenizer()
 
 def test_shipped_cases():
     assert shipped_cases() == [
-        "chunked_prefill", "hybrid_chunked", "hybrid_prefix", "lru_pressure", "memory_pressure", "moe_tiny", "multi_turn_chat",
+        "chunked_prefill", "hybrid_chunked", "hybrid_prefix", "lru_pressure", "memory_pressure", "mla_tiny",
+        "moe_tiny", "multi_turn_chat",
         "rl_rollouts", "rl_weight_update", "shared_system_prompt",
     ]
 
@@ -217,3 +218,38 @@ def test_hybrid_model_fills_num_layers_and_round_trips():
     assert parse_case(dump_case(case)) == case
     gpt = parse_case(_HYBRID % "num_layers: 2")
     assert not gpt.model.is_hybrid and parse_case(dump_case(gpt)) == gpt
+
+
+_MLA = ("name: m\nrequests: [{prompt: hi}]\ninference: {block_size_tokens: %s}\n"
+        "model: {position_embedding_type: rope, multi_latent_attention: true, %s}\n")
+
+
+@pytest.mark.parametrize("block, model, message", [
+    (16, "kv_lora_rank: 32", "inference.block_size_tokens is 16 but a multi_latent_attention model's latent KV cache "
+                             "needs 64 (megatron-core asserts it); set block_size_tokens: 64"),
+    (64, "position_embedding_type: learned_absolute", "multi_latent_attention: position_embedding_type must be rope"),
+    (64, "qk_pos_emb_head_dim: 7", "qk_pos_emb_head_dim must be even (RoPE rotates channel pairs)"),
+    (64, "hybrid_layer_pattern: 'M*M'", "multi_latent_attention: hybrid_layer_pattern (MLA is for GPT models here)"),
+    (64, "qk_layernorm: true", "multi_latent_attention: qk_layernorm without q_lora_rank (megatron-core 0.19 then "
+                               "fuses a query norm into linear_q_proj, with Transformer Engine only, and 0.18 has "
+                               "none; set q_lora_rank)"),
+])
+def test_bad_mla_model_fields_are_refused_in_one_line(block, model, message):
+    with pytest.raises(CaseFileError) as raised:
+        parse_case(_MLA % (block, model))
+    assert message in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_mla_sizes_apply_to_mla_models_only_and_the_case_round_trips():
+    with pytest.raises(CaseFileError, match="kv_lora_rank, v_head_dim apply to multi-latent attention only; set "
+                                            "multi_latent_attention: true or remove them"):
+        parse_case("name: m\nrequests: [{prompt: hi}]\nmodel: {kv_lora_rank: 8, v_head_dim: 8}\n")
+    case = load_case("mla_tiny")
+    assert case.model.features == ["mla"] and load_case("rl_rollouts").model.features == []
+    assert (case.model.q_lora_rank, case.model.kv_lora_rank, case.model.qk_head_dim, case.model.qk_pos_emb_head_dim,
+            case.model.v_head_dim, case.inference.block_size_tokens) == (32, 32, 16, 8, 16, 64)
+    assert parse_case(dump_case(case)) == case
+    planned = plan_requests(case, TOKENIZER)
+    assert [len(p.prompt_tokens) for p in planned] == [147, 71, 128, 144]
+    assert all(p.prompt_tokens[:128] == planned[2].prompt_tokens for p in planned if p.request_id != 1)

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_ext import cli
+from megatron_ext import cli, mcore
 from megatron_ext.harness.cases import CaseFileError
 from megatron_ext.harness.megatron_case import is_megatron_case_file, load_megatron_case
+from megatron_ext.harness.mla import MLA_SERIES
 
 #: Shaped like Megatron-LM's gpt_dynamic_inference_tp1_pp1_583m_prefix_caching_lru case, small.
 MODEL_ARGS = {
@@ -110,9 +111,6 @@ def test_block_size_defaults_to_megatrons(tmp_path):
      "--moe-ffn-hidden-size and --moe-enable-routing-replay only); --expert-model-parallel-size (expert "
      "parallelism is not supported by ab (experts on every rank))"),
     ({"--fp16": True}, "refused: --fp16 (ab runs bf16 or fp32)"),
-    ({"--multi-latent-attention": True, "--q-lora-rank": 32, "--kv-lora-rank": 16},
-     "refused: --multi-latent-attention (multi-latent attention is not supported by ab); --q-lora-rank "
-     "(multi-latent attention is not supported by ab); --kv-lora-rank (multi-latent attention"),
     ({"--mtp-num-layers": 1, "--num-speculative-tokens": 2},
      "refused: --mtp-num-layers (multi-token prediction is not supported by ab); --num-speculative-tokens "
      "(speculative decoding is not supported by ab)"),
@@ -181,6 +179,67 @@ def test_query_groups_only_with_group_query_attention_and_layout_only_when_given
     assert (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size) == (None, None)
     gqa = load_megatron_case(write(tmp_path, {**args, "--num-query-groups": 2, "--group-query-attention": True}))
     assert gqa.case.model.num_query_groups == 2
+
+
+#: A tiny multi-latent attention model as a Megatron-LM run gives it (sizes, RoPE, the latent cache).
+MLA_ARGS = {
+    **{k: v for k, v in MODEL_ARGS.items() if k not in ("--use-checkpoint-args", "--load", "--tokenizer-type",
+                                                          "--tokenizer-model", "--enable-chunked-prefill")},
+    "--normalization": "RMSNorm", "--position-embedding-type": "rope", "--disable-bias-linear": True,
+    "--qk-layernorm": True, "--multi-latent-attention": True, "--q-lora-rank": 32, "--kv-lora-rank": 24, "--qk-head-dim": 16,
+    "--qk-pos-emb-head-dim": 8, "--v-head-dim": 12, "--rope-type": "rope", "--cache-mla-latents": True,
+    "--inference-dynamic-batching-block-size": 64,
+}
+MLA_RELEASE = mcore.release_series(mcore.installed_version()) in MLA_SERIES
+
+
+def test_multi_latent_attention_arguments_map_to_the_model_section_or_are_refused_by_release(tmp_path):
+    if not MLA_RELEASE:  # 0.17: refused by name before the model section is built
+        with pytest.raises(CaseFileError) as error:
+            load_megatron_case(write(tmp_path, MLA_ARGS))
+        assert str(error.value).endswith(
+            f"refused: --multi-latent-attention (megatron-core {mcore.installed_version()} cannot run multi-latent "
+            "attention with prefix caching; use 0.18 or 0.19)")
+        return
+    mc = load_megatron_case(write(tmp_path, MLA_ARGS))
+    model = mc.case.model
+    assert (model.multi_latent_attention, model.q_lora_rank, model.kv_lora_rank, model.qk_head_dim,
+            model.qk_pos_emb_head_dim, model.v_head_dim, model.position_embedding_type, model.qk_layernorm,
+            model.features) == (True, 32, 24, 16, 8, 12, "rope", True, ["mla"])
+    assert mc.case.inference.block_size_tokens == 64
+    assert not ({"--multi-latent-attention", "--rope-type", "--cache-mla-latents"} & {a for a, _ in mc.ignored})
+    # sizes the file leaves out take Megatron-LM's defaults, not the model section's
+    sizes = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
+    # (without --qk-layernorm: no query compression with query norms is refused, see test_cases.py)
+    bare = load_megatron_case(write(tmp_path, {k: v for k, v in MLA_ARGS.items()
+                                               if k not in (*sizes, "--qk-layernorm")})).case.model
+    assert (bare.q_lora_rank, bare.kv_lora_rank, bare.qk_head_dim, bare.qk_pos_emb_head_dim, bare.v_head_dim) == (
+        None, 32, 128, 64, 128)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--rope-type": None}, "--multi-latent-attention with --rope-type yarn (Megatron-LM default for MLA): ab "
+                            "builds MLA with --rope-type rope only"),
+    ({"--cache-mla-latents": False}, "--cache-mla-latents false: megatron-core's dynamic engine runs multi-latent "
+                                     "attention with cached latents only"),
+    ({"--inference-dynamic-batching-block-size": 16}, "--multi-latent-attention needs "
+                                                      "--inference-dynamic-batching-block-size 64"),
+])
+def test_multi_latent_attention_refusals_name_the_argument(tmp_path, change, message):
+    args = {k: v for k, v in {**MLA_ARGS, **change}.items() if v is not None}
+    with pytest.raises(CaseFileError) as error:
+        load_megatron_case(write(tmp_path, args))
+    assert (message if MLA_RELEASE else "refused: --multi-latent-attention (megatron-core") in str(error.value)
+
+
+def test_multi_latent_attention_sizes_without_the_flag_are_refused(tmp_path):
+    args = {k: v for k, v in MLA_ARGS.items() if k not in ("--multi-latent-attention", "--rope-type",
+                                                              "--cache-mla-latents")}
+    with pytest.raises(CaseFileError) as error:
+        load_megatron_case(write(tmp_path, args))
+    assert str(error.value).endswith(": --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, "
+                                     "--v-head-dim without --multi-latent-attention: Megatron-LM uses them only "
+                                     "with it; add it or remove them")
 
 
 #: Shaped like Megatron-LM's hybrid_dynamic_inference_tp1_pp1_dp8_583m_chunked_prefill case, tiny.

@@ -13,6 +13,8 @@ usable on their own:
 * :func:`cpu_pipeline_comms` (``pipeline``): pipeline-stage communication accepts CPU tensors;
 * :func:`batch_invariant_mode` (``batch_invariant``): row-wise CPU matrix products, so a row's
   bits do not depend on the batch; :func:`self_check` proves it on the running machine;
+* :func:`mla_on_cpu` (``mla``): plain-torch FlashMLA decode and the Transformer Engine split
+  that multi-latent attention's latent KV cache (``cache_mla_latents``) calls;
 * :func:`mamba_on_cpu` (``mamba``, hybrid models only): megatron's Mamba Triton kernels under
   Triton's interpreter, stand-ins for the compiled Mamba extensions and plain-torch copies in
   place of the CUDA-asserting state-copy helpers.
@@ -33,6 +35,7 @@ from .batch_invariant import batch_invariant_mode, self_check
 from .device import cuda_on_cpu
 from .kv_append import torch_kv_append
 from .mamba import mamba_on_cpu
+from .mla import mla_on_cpu
 from .pipeline import cpu_pipeline_comms
 
 __all__ = [
@@ -48,6 +51,7 @@ __all__ = [
     "batch_invariant_mode",
     "self_check",
     "mamba_on_cpu",
+    "mla_on_cpu",
 ]
 
 
@@ -55,8 +59,9 @@ __all__ = [
 def cpu_backend(batch_invariant: bool = True, seed: Optional[int] = None, mamba: bool = False) -> Iterator[None]:
     """Within the block megatron-core's dynamic inference runs on the CPU.
 
-    Enters, in order: :func:`torch_kv_append`, :func:`reference_attention` (both import the
-    megatron-core modules they patch, so those imports happen before any CUDA stand-in exists),
+    Enters, in order: :func:`torch_kv_append`, :func:`reference_attention`, :func:`mla_on_cpu`
+    (they import the megatron-core modules they patch, so those imports happen before any CUDA
+    stand-in exists),
     (with ``mamba``) :func:`mamba_on_cpu`, :func:`cuda_on_cpu` and (unless ``batch_invariant`` is
     False) :func:`batch_invariant_mode`;
     exits in reverse order, restoring every replaced attribute and the previous
@@ -78,6 +83,7 @@ def cpu_backend(batch_invariant: bool = True, seed: Optional[int] = None, mamba:
         stack.enter_context(torch_kv_append())
         stack.enter_context(cpu_pipeline_comms())
         stack.enter_context(reference_attention())
+        stack.enter_context(mla_on_cpu())
         if mamba:
             stack.enter_context(mamba_on_cpu())
         stack.enter_context(cuda_on_cpu(seed=seed))

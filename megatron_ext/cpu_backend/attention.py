@@ -111,7 +111,7 @@ def attend_sequence(
     return out.to(q.dtype), lse
 
 
-def _gather_paged(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+def gather_paged(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` cached tokens of one sequence, ``[length, Hkv, D]``.
 
     Raises:
@@ -130,8 +130,8 @@ def _sequence_kv(k: torch.Tensor, v: torch.Tensor, block_table: Optional[torch.T
     """Keys and values of sequence ``index``: from the paged cache, or packed at ``start``."""
     if block_table is None:
         return k[start:start + length], v[start:start + length]
-    return (_gather_paged(k, block_table[index], length),
-            _gather_paged(v, block_table[index], length))
+    return (gather_paged(k, block_table[index], length),
+            gather_paged(v, block_table[index], length))
 
 
 def varlen_attention(

@@ -29,6 +29,7 @@ from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .rounds import left_out, update_mismatches
 from .engine import build_engine, build_model, dist_timeout, ensure_model_parallel
 from .hybrid import MAMBA_STATE_DTYPE_RULE, bf16_mamba_states, kernel_dtypes, mamba_state_dtype_warning
+from .mla import check_mla_run, step_kind_warning
 from .step_loop import RunRecord, drive
 from .tokenizer import Tokenizer, check_vocab_fits, default_tokenizer
 from .trainer_logprobs import TrainerComparison, TrainerForward, TrainerLogProbs, check_supported
@@ -204,10 +205,12 @@ class ABResult:
         return problems
 
     def warnings(self) -> list[str]:
-        """Lines the report prints before the tables, whatever the verdict: a case that breaks a
-        rule under which a difference is known to occur (:func:`~megatron_ext.harness.hybrid.mamba_state_dtype_warning`)."""
-        line = mamba_state_dtype_warning(self.case.model) if self.policies else None
-        return [line] if line else []
+        """Lines the report prints before the tables: a case that breaks a rule under which a
+        difference is known to occur (:func:`~megatron_ext.harness.hybrid.mamba_state_dtype_warning`,
+        whatever the verdict), an MLA case that differs (:func:`~megatron_ext.harness.mla.step_kind_warning`)."""
+        lines = [mamba_state_dtype_warning(self.case.model) if self.policies else None,
+                 step_kind_warning(self.case, self.bit_identical) if self.policies else None]
+        return [line for line in lines if line]
 
     def _update_mismatches(self) -> list[str]:
         return update_mismatches(self.case, self.baseline, [(p.policy, p.run) for p in self.policies])
@@ -230,8 +233,8 @@ class ABResult:
             "failures": self.failures(),
             "warnings": self.warnings(),
             "unknown_args_allowed": self.unknown_args_allowed,
-            "num_requests": len(self.baseline.outputs),
             "model_features": self.case.model.features,
+            "num_requests": len(self.baseline.outputs),
             "kv_write_violations": self.total("kv_write_violations"),
             "refcount_violations": self.total("refcount_violations"),
             "lru_violations": self.total("lru_violations"),
@@ -431,6 +434,8 @@ def run_ab(
         tokenizer's vocabulary exceeds the model's ``vocab_size``), WorkloadError (see
         :func:`megatron_ext.harness.cases.validate_planned`), CheckpointError (``load``: missing, not a
         checkpoint, architecture mismatch, args the harness cannot build), EngineStuckError, RuntimeError;
+        MLAUnsupportedError: a multi-latent attention case on a release or with options it cannot run
+            with (:func:`megatron_ext.harness.mla.check_mla_run`);
         TrainerLogProbsError: ``trainer_logprobs`` is no mode, or asked for with a hybrid model, or
         ``matched`` on ``cuda``;
         multi-rank: RankFailedError when megatron-core raised mid-run on this rank (the ranks are
@@ -442,6 +447,8 @@ def run_ab(
         load = load if isinstance(load, CheckpointSource) else resolve_checkpoint(load)
         built_for = _case_for_checkpoint(case, load)
         case, from_args = built_for, built_for is not case
+    check_mla_run(case, mcore.installed_version(), tensor_model_parallel_size, pipeline_model_parallel_size,
+                  load, trainer_logprobs)
     tokenizer = tokenizer or default_tokenizer()
     check_vocab_fits(tokenizer, case.model.vocab_size, f"case {case.name}")
     check_top_n_fits(case)

@@ -19,6 +19,7 @@ from .. import env, mcore
 from .cases.schema import Case
 from .dtypes import TORCH_DTYPES
 from .hybrid import build_hybrid_model, mamba_inference_state_config
+from .mla import mla_config_fields, mla_layer_spec
 from .routing import use_router_replays
 from .tokenizer import Tokenizer, default_tokenizer
 
@@ -94,6 +95,8 @@ def transformer_config(case: Case) -> Any:
     ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size`` (the case's, else the dense
     MLP's width), ``moe_enable_routing_replay`` and load balancing ``none`` (no auxiliary loss:
     inference only).
+    A multi-latent attention model gets an ``MLATransformerConfig`` with
+    its MLA sizes (:func:`megatron_ext.harness.mla.mla_config_fields`).
     """
     module = mcore.import_module("megatron.core.transformer.transformer_config")
     spec = case.model
@@ -112,7 +115,11 @@ def transformer_config(case: Case) -> Any:
                         moe_ffn_hidden_size=spec.effective_moe_ffn_hidden_size(),
                         moe_enable_routing_replay=spec.moe_enable_routing_replay,
                         moe_router_load_balancing_type="none")
-    return module.TransformerConfig(
+    config_class = module.TransformerConfig
+    if spec.multi_latent_attention:
+        config_class = module.MLATransformerConfig
+        optional.update(mla_config_fields(spec))
+    return config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -167,6 +174,8 @@ def build_model(case: Case) -> Any:
     )
     if spec.is_hybrid:
         model = build_hybrid_model(spec, **shared)
+    elif spec.multi_latent_attention:
+        model = gpt_model.GPTModel(transformer_layer_spec=mla_layer_spec(spec), **shared)
     else:
         layer_options = {} if spec.normalization == "LayerNorm" else {"normalization": spec.normalization}
         if spec.is_moe:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from .. import mcore
 from .cases import parse_case
 from .cases.schema import Case, CaseFileError, ModelSpec, RequestSpec
 
@@ -92,12 +93,6 @@ REFUSED = {
     "--hybrid-mlp-ratio": "a layer pattern derived from ratios: give --hybrid-layer-pattern",
     "--mtp-hybrid-override-pattern": "multi-token prediction is not supported by ab",
     "--num-speculative-tokens": "speculative decoding is not supported by ab",
-    "--multi-latent-attention": "multi-latent attention is not supported by ab",
-    "--q-lora-rank": "multi-latent attention is not supported by ab",
-    "--kv-lora-rank": "multi-latent attention is not supported by ab",
-    "--qk-head-dim": "multi-latent attention is not supported by ab",
-    "--qk-pos-emb-head-dim": "multi-latent attention is not supported by ab",
-    "--v-head-dim": "multi-latent attention is not supported by ab",
     "--window-size": "sliding-window attention is not supported by the CPU backend",
     "--softmax-type": "only the default softmax is supported",
     "--fp16": "ab runs bf16 or fp32",
@@ -133,6 +128,16 @@ MODEL_FIELDS = {
     "--moe-router-topk": "moe_router_topk",
     "--moe-ffn-hidden-size": "moe_ffn_hidden_size",
     "--moe-enable-routing-replay": "moe_enable_routing_replay",
+}
+
+#: Multi-latent attention: ``--flag`` -> model section field, and Megatron-LM's default where the
+#: file does not give it (megatron-ext's model section has smaller defaults of its own).
+MLA_ARGS = {
+    "--q-lora-rank": ("q_lora_rank", None),
+    "--kv-lora-rank": ("kv_lora_rank", 32),
+    "--qk-head-dim": ("qk_head_dim", 128),
+    "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", 64),
+    "--v-head-dim": ("v_head_dim", 128),
 }
 
 #: Hybrid (Mamba + attention) models: the layer pattern's arguments (the second is Megatron-LM's
@@ -423,6 +428,49 @@ def _model(args: _ArgReader) -> dict[str, Any]:
     if gqa and "num_query_groups" not in model:
         raise CaseFileError(f"{args.path}: --group-query-attention needs --num-query-groups")
     model.update(_hybrid_model(args))
+    model.update(_mla_model(args))
+    return model
+
+
+def _mla_model(args: _ArgReader) -> dict[str, Any]:
+    """The multi-latent attention fields (``--multi-latent-attention`` and its sizes, Megatron-LM's
+    defaults where absent). Nothing without ``--multi-latent-attention``.
+
+    Raises:
+        CaseFileError: MLA sizes without ``--multi-latent-attention``;
+            the installed release cannot run MLA (named with the argument), RoPE other
+            than ``--rope-type rope`` (Megatron-LM's MLA default is yarn), ``--cache-mla-latents``
+            false, or a block size other than 64.
+    """
+    from .mla import MLA_BLOCK_SIZE_TOKENS, MLA_SERIES
+
+    if not args.get("--multi-latent-attention", _flag, False):
+        sizes = [arg for arg in MLA_ARGS if arg in args.args]
+        if sizes:
+            raise CaseFileError(f"{args.path}: {', '.join(sizes)} without --multi-latent-attention: Megatron-LM "
+                                "uses them only with it; add it or remove them")
+        return {}
+    version = mcore.installed_version()
+    if mcore.release_series(version) not in MLA_SERIES:
+        raise CaseFileError(f"{args.path}: refused: --multi-latent-attention (megatron-core {version} cannot run "
+                            "multi-latent attention with prefix caching; use 0.18 or 0.19)")
+    rope = args.get("--rope-type", str, "yarn")
+    if rope != "rope":
+        raise CaseFileError(f"{args.path}: --multi-latent-attention with --rope-type {rope}"
+                            f"{' (Megatron-LM default for MLA)' if '--rope-type' not in args.args else ''}: "
+                            "ab builds MLA with --rope-type rope only")
+    if not args.get("--cache-mla-latents", _flag, True):
+        raise CaseFileError(f"{args.path}: --cache-mla-latents false: megatron-core's dynamic engine runs "
+                            "multi-latent attention with cached latents only (it asserts cache_mla_latents)")
+    block = args.get("--inference-dynamic-batching-block-size", int, MEGATRON_BLOCK_SIZE_TOKENS)
+    if block != MLA_BLOCK_SIZE_TOKENS:
+        raise CaseFileError(f"{args.path}: --multi-latent-attention needs --inference-dynamic-batching-block-size "
+                            f"{MLA_BLOCK_SIZE_TOKENS} (megatron-core's latent KV cache asserts it), not {block}")
+    model: dict[str, Any] = {"multi_latent_attention": True}
+    for arg, (name, default) in MLA_ARGS.items():
+        value = args.get(arg, int, default)
+        if value is not None:
+            model[name] = value
     return model
 
 

@@ -30,6 +30,10 @@ class StrictModel(BaseModel):
 HYBRID_LAYER_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP"}
 
 
+#: :class:`ModelSpec` fields that only a multi-latent attention model uses.
+MLA_SIZE_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+
+
 class ModelSpec(StrictModel):
     """A GPT model with megatron-core's local layer spec; weights are seeded random unless loaded.
 
@@ -83,6 +87,16 @@ class ModelSpec(StrictModel):
       ``4 * hidden_size``). ``moe_enable_routing_replay``: megatron-core records every token's
       expert choices and returns them per request (``routing_indices``, ``[tokens - 1, layers,
       topk]``), which ``ab`` compares and audits. Load balancing is off (``none``: inference).
+    * ``multi_latent_attention``: MLA layers (megatron-core's ``MLATransformerConfig`` and
+      ``MLASelfAttention``, Megatron-LM's ``--multi-latent-attention``; :mod:`megatron_ext.harness.mla`),
+      with their sizes (elements): ``q_lora_rank`` (query compression; None: no query compression,
+      a direct query projection), ``kv_lora_rank`` (the latent KV vector), ``qk_head_dim`` and
+      ``qk_pos_emb_head_dim`` (a query/key head's channels without and with RoPE), ``v_head_dim``.
+      The KV cache holds ``kv_lora_rank + qk_pos_emb_head_dim`` latent channels per token and layer
+      (``cache_mla_latents``, the only way megatron-core's dynamic engine runs MLA), which needs
+      ``inference.block_size_tokens`` 64 and ``position_embedding_type: rope``; ``qk_layernorm``
+      puts RMS/LayerNorms on the compressed query and KV (DeepSeek's q_a / kv_a norms);
+      ``num_attention_heads`` heads, ``kv_channels`` / ``num_query_groups`` unused.
     """
 
     num_layers: int = Field(2, ge=1)
@@ -118,6 +132,12 @@ class ModelSpec(StrictModel):
     moe_router_topk: int = Field(2, ge=1)
     moe_ffn_hidden_size: Optional[int] = Field(None, ge=8)
     moe_enable_routing_replay: bool = False
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = Field(None, ge=1)
+    kv_lora_rank: int = Field(32, ge=1)
+    qk_head_dim: int = Field(16, ge=1)
+    qk_pos_emb_head_dim: int = Field(8, ge=2)
+    v_head_dim: int = Field(16, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -180,12 +200,35 @@ class ModelSpec(StrictModel):
         """A mixture-of-experts model: ``num_experts`` is set."""
         return self.num_experts is not None
 
+    @model_validator(mode="after")
+    def _mla(self) -> "ModelSpec":
+        # set to a non-default value (a dumped GPT case lists every field at its default)
+        mla_fields = sorted(f for f in MLA_SIZE_FIELDS if f in self.model_fields_set
+                            and getattr(self, f) != type(self).model_fields[f].default)
+        if not self.multi_latent_attention:
+            if mla_fields:
+                raise ValueError(f"{', '.join(mla_fields)} {'applies' if len(mla_fields) == 1 else 'apply'} to "
+                                 "multi-latent attention only; set multi_latent_attention: true or remove them")
+            return self
+        problems = [why for why, bad in (
+            ("hybrid_layer_pattern (MLA is for GPT models here)", self.is_hybrid),
+            ("position_embedding_type must be rope (MLA applies RoPE to its qk_pos_emb_head_dim channels)",
+             self.position_embedding_type != "rope"),
+            ("qk_pos_emb_head_dim must be even (RoPE rotates channel pairs)", self.qk_pos_emb_head_dim % 2),
+            ("qk_layernorm without q_lora_rank (megatron-core 0.19 then fuses a query norm into linear_q_proj, "
+             "with Transformer Engine only, and 0.18 has none; set q_lora_rank)",
+             self.qk_layernorm and self.q_lora_rank is None)) if bad]
+        if problems:
+            raise ValueError(f"multi_latent_attention: {'; '.join(problems)}")
+        return self
+
     @property
     def features(self) -> list[str]:
-        """What the model is beyond a dense GPT, for reports: ``"hybrid"``, ``"moe"``,
-        ``"routing_replay"`` (in that order; [] for a dense GPT)."""
-        return ([name for name, on in (("hybrid", self.is_hybrid), ("moe", self.is_moe),
-                                        ("routing_replay", self.is_moe and self.moe_enable_routing_replay)) if on])
+        """What the model is beyond a dense GPT, as ``ab --json`` reports it (``model_features``):
+        ``"hybrid"``, ``"moe"``, ``"routing_replay"``, ``"mla"`` (in that order; [] for a dense GPT)."""
+        return [name for name, on in (("hybrid", self.is_hybrid), ("moe", self.is_moe),
+                                      ("routing_replay", self.is_moe and self.moe_enable_routing_replay),
+                                      ("mla", self.multi_latent_attention)) if on]
 
     @property
     def is_hybrid(self) -> bool:
@@ -387,6 +430,15 @@ class Case(StrictModel):
     requests: list[RequestSpec] = Field(min_length=1)
     expectations: Expectations = Expectations()
     weight_updates: Optional[WeightUpdateSpec] = None
+
+    @model_validator(mode="after")
+    def _mla_block_size(self) -> "Case":
+        # megatron-core's latent KV cache asserts FlashMLA's page size (dynamic_context.py)
+        if self.model.multi_latent_attention and self.inference.block_size_tokens != 64:
+            raise ValueError(f"inference.block_size_tokens is {self.inference.block_size_tokens} but a "
+                             "multi_latent_attention model's latent KV cache needs 64 (megatron-core asserts it); "
+                             "set block_size_tokens: 64")
+        return self
 
     @model_validator(mode="after")
     def _rounds(self) -> "Case":

@@ -1,0 +1,165 @@
+"""Multi-latent attention (MLA) GPT models: megatron-core's ``MLATransformerConfig`` and
+``MLASelfAttention`` with the local layer spec, and what the harness runs them with.
+
+megatron-core's dynamic engine runs MLA only with ``cache_mla_latents=True`` (``MLASelfAttention
+.forward`` asserts it): the KV cache holds one latent vector per token and layer,
+``[layers, blocks, block_size, kv_lora_rank + qk_pos_emb_head_dim]``, appended by
+``DynamicInferenceContext.append_key_value_cache``'s latent branch (the Triton append is skipped
+for MLA), and the context asserts ``block_size_tokens == 64`` (FlashMLA's page size). So every
+MLA case caches latents; there is no non-latent MLA path to run.
+
+Two things in megatron-core itself keep the local spec from running, in every release 0.17-0.19:
+
+* the local spec's ``DotProductAttention`` takes no ``k_channels`` / ``v_channels``, which
+  ``MultiLatentAttention.__init__`` passes: the harness gives the spec
+  :class:`~megatron_ext.cpu_backend.mla.ReferenceMLACoreAttention` (used by a forward without an
+  inference context only; the engine's steps go through ``flash_decode_and_prefill``);
+* ``MultiLatentAttention.forward`` calls ``flash_decode_and_prefill`` without its required
+  ``is_decode_only`` argument (``TypeError``; Megatron-LM issue #4901, PR #4902 merged upstream,
+  not in 0.17.1, 0.18.2 or 0.19.2): the harness's layer (:func:`mla_self_attention_class`) passes it.
+
+0.17 cannot run MLA with prefix caching: its ``flash_decode_and_prefill`` picks the decode kernel
+when every query of a step has one token (``max_seqlen_q == 1``), not when the step is decode-only,
+so a mixed step (a prefix-cached prompt recomputing one token beside decoding requests) sends
+MLA's unabsorbed queries to FlashMLA. :func:`check_mla_run` refuses it by name.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+from .. import mcore
+from ..errors import MegatronExtError
+
+#: Release series whose dynamic engine runs MLA with prefix caching (see the module docstring).
+MLA_SERIES = ("0.18", "0.19")
+
+#: The block size megatron-core's latent KV cache asserts (dynamic_context.py, every release).
+MLA_BLOCK_SIZE_TOKENS = 64
+
+
+class MLAUnsupportedError(MegatronExtError, ValueError):
+    """An MLA case asked for something megatron-ext cannot run with MLA (the message names it)."""
+
+
+def check_mla_run(case: Any, version: str, tensor_model_parallel_size: int = 1,
+                  pipeline_model_parallel_size: int = 1, load: Any = None, trainer_logprobs: Any = None) -> None:
+    """Refuse, before anything is built, an MLA case this release or command cannot run.
+
+    Args:
+        case: the :class:`~megatron_ext.harness.cases.Case`; nothing is checked unless
+            ``case.model.multi_latent_attention``.
+        version: the installed megatron-core release.
+        tensor_model_parallel_size, pipeline_model_parallel_size, load, trainer_logprobs: what
+            ``ab`` was asked for.
+
+    Raises:
+        MLAUnsupportedError: a release outside :data:`MLA_SERIES`, several ranks, a checkpoint
+            (``--load``), ``--trainer-logprobs`` or ``weight_updates`` (megatron-core's
+            ``prepare_for_absorption`` deletes ``linear_kv_up_proj`` at the first inference
+            forward, so the training forward and weight updates of the same model are not supported).
+    """
+    if not getattr(case.model, "multi_latent_attention", False):
+        return
+    series = mcore.release_series(version)
+    if series not in MLA_SERIES:
+        raise MLAUnsupportedError(
+            f"case '{case.name}': multi-latent attention with prefix caching does not run on megatron-core "
+            f"{version}: its flash_decode_and_prefill sends a mixed step whose queries all have one token to "
+            f"the FlashMLA decode kernel with unabsorbed queries; use megatron-core 0.18 or 0.19")
+    unsupported = [what for what, asked in (
+        (f"tensor/pipeline parallelism (TP={tensor_model_parallel_size} PP={pipeline_model_parallel_size})",
+         tensor_model_parallel_size > 1 or pipeline_model_parallel_size > 1),
+        ("a checkpoint (--load)", load is not None),
+        ("--trainer-logprobs", trainer_logprobs is not None),
+        ("weight_updates", case.weight_updates is not None)) if asked]
+    if unsupported:
+        raise MLAUnsupportedError(f"case '{case.name}': multi-latent attention models run single-rank with seeded "
+                                  f"weights only; drop {', '.join(unsupported)}")
+
+
+def check_mla_checkpoint(case: Any) -> None:
+    """Refuse ``save-checkpoint`` of an MLA case: its Megatron-LM arguments (``checkpoint_args``)
+    describe GPT attention only, so the checkpoint could not be loaded as the model it holds.
+
+    Raises:
+        MLAUnsupportedError: ``case.model.multi_latent_attention`` is set.
+    """
+    if getattr(case.model, "multi_latent_attention", False):
+        raise MLAUnsupportedError(f"save-checkpoint: case '{case.name}' is a multi-latent attention model, which "
+                                  "megatron-ext runs with seeded weights only (no checkpoints of it yet)")
+
+
+#: Why an MLA case's outputs can differ with caching on vs off without any KV-cache fault.
+STEP_KIND_NOTE = (
+    "multi-latent attention: megatron-core computes a decoding token's attention over the latent cache "
+    "(absorbed queries, FlashMLA) in decode-only steps but over keys and values uncompressed from it in "
+    "steps that also prefill; prefix caching changes which steps prefill, so such tokens can differ in "
+    "their low bits with caching on vs off (docs/ab.md, multi-latent attention)")
+
+
+def step_kind_warning(case: Any, bit_identical: bool) -> Optional[str]:
+    """:data:`STEP_KIND_NOTE` for an MLA case whose runs were not bit-identical, else None."""
+    if getattr(case.model, "multi_latent_attention", False) and not bit_identical:
+        return STEP_KIND_NOTE
+    return None
+
+
+def mla_config_fields(spec: Any) -> dict[str, Any]:
+    """``MLATransformerConfig`` fields of an MLA :class:`~megatron_ext.harness.cases.ModelSpec`.
+
+    ``rope_type`` is ``rope`` (``rotary_base``, ``rotary_percent`` of the ``qk_pos_emb_head_dim``
+    channels) and ``cache_mla_latents`` True, the only way megatron-core's dynamic engine runs MLA."""
+    return dict(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank, qk_head_dim=spec.qk_head_dim,
+                qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim, v_head_dim=spec.v_head_dim,
+                rope_type="rope", rotary_base=spec.rotary_base, rotary_percent=spec.rotary_percent,
+                cache_mla_latents=True)
+
+
+@functools.cache
+def mla_self_attention_class() -> type:
+    """megatron-core's ``MLASelfAttention`` with the decode flag its forward leaves out.
+
+    ``MultiLatentAttention.forward`` calls ``flash_decode_and_prefill(q, k, v, max_seqlen_q,
+    max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table)`` without ``is_decode_only``
+    (Megatron-LM issue #4901; PR #4902 upstream). The subclass fills it in: a step is decode-only exactly when
+    the latent path hands no value tensor (``key_value_cache`` returns the latent cache alone in
+    decode-only steps; prefill and mixed steps uncompress keys and values from it). Everything else
+    is megatron-core's class. Its KV norm is registered for the CPU backend's stand-in of TE's
+    norm / linear split (:func:`~megatron_ext.cpu_backend.mla.register_kv_norm`)."""
+    from ..cpu_backend.mla import register_kv_norm
+
+    base = mcore.import_module("megatron.core.transformer.multi_latent_attention").MLASelfAttention
+
+    class MLASelfAttentionWithDecodeFlag(base):
+        """``MLASelfAttention`` whose dynamic-batching call passes ``is_decode_only``."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # the local spec's KV norm is kv_layernorm itself: what the latent path's split must keep
+            register_kv_norm(self.linear_kv_up_proj, self.kv_layernorm)
+
+        def flash_decode_and_prefill(self, q, k, v, *args, **kwargs):  # noqa: D102 - see the factory
+            if len(args) == 6 and "is_decode_only" not in kwargs:
+                kwargs["is_decode_only"] = v is None
+            return super().flash_decode_and_prefill(q, k, v, *args, **kwargs)
+
+    return MLASelfAttentionWithDecodeFlag
+
+
+def mla_layer_spec(spec: Any) -> Any:
+    """The local layer spec of an MLA GPT model (``get_gpt_layer_local_spec(multi_latent_attention=
+    True)``, MoE MLPs for a model with ``num_experts``), with :func:`mla_self_attention_class` as its attention module and the CPU backend's
+    :class:`~megatron_ext.cpu_backend.mla.ReferenceMLACoreAttention` as its core attention."""
+    from ..cpu_backend.mla import ReferenceMLACoreAttention
+
+    layer_specs = mcore.import_module("megatron.core.models.gpt.gpt_layer_specs")
+    options: dict[str, Any] = {} if spec.normalization == "LayerNorm" else {"normalization": spec.normalization}
+    if spec.is_moe:  # MoE MLPs under MLA (DeepSeek-style)
+        options["num_experts"] = spec.num_experts
+    layer = layer_specs.get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=spec.qk_layernorm, **options)
+    attention = layer.submodules.self_attention
+    attention.module = mla_self_attention_class()
+    attention.submodules.core_attention = ReferenceMLACoreAttention
+    return layer

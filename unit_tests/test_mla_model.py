@@ -1,0 +1,50 @@
+"""The harness's multi-latent attention model (``megatron_ext.harness.mla``): what it builds from
+``mla_tiny`` and the decode flag its attention layer adds to megatron-core's call."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_ext import mcore
+from megatron_ext.cpu_backend import cpu_backend
+from megatron_ext.cpu_backend.mla import ReferenceMLACoreAttention, split_norm_linear
+from megatron_ext.harness.cases import load_case
+from megatron_ext.harness.engine import build_model, ensure_model_parallel
+from megatron_ext.harness.mla import mla_self_attention_class
+
+
+def test_mla_tiny_builds_megatron_cores_mla_layers_with_cached_latents():
+    with cpu_backend():
+        ensure_model_parallel()
+        model = build_model(load_case("mla_tiny"))
+    config = model.config
+    transformer = mcore.import_module("megatron.core.transformer.transformer_config")
+    assert isinstance(config, transformer.MLATransformerConfig)
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim,
+            config.cache_mla_latents, config.rope_type) == (32, 32, 16, 8, 16, True, "rope")
+    attention = model.decoder.layers[0].self_attention
+    base = mcore.import_module("megatron.core.transformer.multi_latent_attention").MLASelfAttention
+    assert type(attention) is mla_self_attention_class() and isinstance(attention, base)
+    assert isinstance(attention.core_attention, ReferenceMLACoreAttention)
+    assert attention.core_attention.softmax_scale == attention.softmax_scale == 1 / math.sqrt(16 + 8)
+    assert tuple(attention.linear_kv_up_proj.weight.shape) == (4 * (16 + 16), 32)
+    # qk_layernorm: the local spec's own KV norm, which the latent path's split keeps
+    norm = attention.kv_layernorm
+    assert type(norm).__name__ != "IdentityOp" and tuple(norm.weight.shape) == (32,)
+    assert split_norm_linear(attention.linear_kv_up_proj, config) == (norm, attention.linear_kv_up_proj)
+    assert next(model.parameters()).dtype is torch.bfloat16
+
+
+def test_the_decode_flag_is_whether_the_latent_path_handed_a_value(monkeypatch):
+    attention_module = mcore.import_module("megatron.core.transformer.attention")
+    seen = []
+    monkeypatch.setattr(attention_module.Attention, "flash_decode_and_prefill",
+                        lambda self, q, k, v, *args, **kwargs: seen.append((args, kwargs)) or "out")
+    layer = object.__new__(mla_self_attention_class())  # no module state needed for the call
+    six = ("max_q", "max_k", "cu_q", "cu_k", "lengths", "table")
+    assert layer.flash_decode_and_prefill("q", "k", None, *six) == "out"  # decode-only: latent cache alone
+    layer.flash_decode_and_prefill("q", "k", "v", *six)  # prefill / mixed: uncompressed values
+    layer.flash_decode_and_prefill("q", "k", None, *six, False)  # a caller that passes it is left alone
+    assert seen == [(six, {"is_decode_only": True}), (six, {"is_decode_only": False}), ((*six, False), {})]
