@@ -19,6 +19,7 @@ from .. import env, mcore
 from .cases.schema import Case
 from .dtypes import TORCH_DTYPES
 from .hybrid import build_hybrid_model, mamba_inference_state_config
+from .speculative import inference_options as speculative_options
 from .tokenizer import Tokenizer, default_tokenizer
 
 
@@ -100,6 +101,8 @@ def transformer_config(case: Case) -> Any:
         optional["pipeline_dtype"] = dtype  # megatron-core requires it with pipeline parallelism
     if spec.swiglu:
         optional.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    if spec.mtp_num_layers:
+        optional.update(mtp_num_layers=spec.mtp_num_layers, mtp_use_repeated_layer=spec.mtp_use_repeated_layer)
     if spec.is_hybrid:
         optional.update(mamba_state_dim=spec.mamba_state_dim, mamba_head_dim=spec.mamba_head_dim,
                         mamba_num_groups=spec.mamba_num_groups, mamba_num_heads=spec.mamba_num_heads)
@@ -160,11 +163,11 @@ def build_model(case: Case) -> Any:
         model = build_hybrid_model(spec, **shared)
     else:
         layer_options = {} if spec.normalization == "LayerNorm" else {"normalization": spec.normalization}
-        model = gpt_model.GPTModel(
-            transformer_layer_spec=layer_specs.get_gpt_layer_local_spec(
-                qk_layernorm=spec.qk_layernorm, **layer_options),
-            **shared,
-        )
+        layer_spec = layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, **layer_options)
+        if spec.mtp_num_layers:  # megatron-core's MTP block over the same local layer spec
+            shared["mtp_block_spec"] = layer_specs.get_gpt_mtp_block_spec(
+                config, layer_spec, use_transformer_engine=False)
+        model = gpt_model.GPTModel(transformer_layer_spec=layer_spec, **shared)
     return model.to(TORCH_DTYPES[case.model.params_dtype]).eval()
 
 
@@ -178,7 +181,7 @@ def inference_config(case: Case, prefix_caching: bool, eviction_policy: str,
     ``inference.prefix_caching_mamba_gb`` is passed only when the case sets it."""
     module = mcore.import_module("megatron.core.inference.config")
     updates = case.weight_updates
-    optional = {}
+    optional = speculative_options(case)
     if mamba_inference_state_config is not None:
         optional["mamba_inference_state_config"] = mamba_inference_state_config
     if updates is not None and updates.suspend_resume:

@@ -7,7 +7,8 @@ top of whatever class-level code is installed (patched or not) and is removed wi
 :meth:`ContextAudit.detach`. It feeds one module per invariant: :mod:`.kv_writes` (fault 2),
 :mod:`.ref_counts` (fault 1), :mod:`.lru` (faults 3-5), :mod:`.stale_hits` (fault 8), :mod:`.mamba_snapshots` (hybrid models:
 the Mamba state restores, fault H1; through the Mamba slot allocator's ``restore_to_live``), and
-:mod:`.pool` (pool pressure and prefix-cache counters, measured, not checked).
+:mod:`.pool` (pool pressure and prefix-cache counters, measured, not checked), and
+:mod:`.speculative` (speculative decoding: no draft in a hash-registered block, a whole rollback).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .lru import LRUAudit
 from .mamba_snapshots import MambaSnapshotAudit
 from .pool import PoolAudit, PoolPressure, PrefixCacheCounters
 from .ref_counts import RefCountAudit
+from .speculative import DraftCounts, SpeculativeAudit
 from .stale_hits import StaleHitAudit
 
 
@@ -46,6 +48,9 @@ class AuditSummary:
         mamba_restores_failed: of those, the ones that found no snapshot.
         mamba_restore_log: every restore as ``{step, request_id, block, tokens_skipped, restored}``.
         steps_checked: steps whose ref counts were checked.
+        speculative_violations: speculative decoding: hash-registered blocks holding drafts
+            (``draft_block``) and rollbacks that left the bookkeeping broken (``spec_rewind``).
+        drafts: speculative decoding: :class:`~.speculative.DraftCounts` (all 0 without it).
         examples: violation kind -> its first three violations as ``step N: detail`` lines.
     """
 
@@ -62,6 +67,8 @@ class AuditSummary:
     mamba_restore_log: list[dict] = field(default_factory=list)
     steps_checked: int = 0
     examples: dict[str, list[str]] = field(default_factory=dict)
+    speculative_violations: int = 0
+    drafts: DraftCounts = field(default_factory=DraftCounts)
 
 
 class ContextAudit:
@@ -83,6 +90,7 @@ class ContextAudit:
         self.pool = PoolAudit(self.log)
         self.stale = StaleHitAudit(self.log)
         self.mamba = MambaSnapshotAudit(self.log)
+        self.speculative = speculative_audit(self.log)
         self.steps_checked = 0
         self._allocator = None
         self._mamba_slots = None
@@ -115,6 +123,7 @@ class ContextAudit:
             row, finished = ctx.total_request_count, req.finished_chunk_token_count
             self.stale.begin_add_request(req.request_id, finished)
             self.mamba.begin_add_request(req.request_id)
+            self.speculative.added(req)
             chunk = req.remaining_prompt_length if prefill_chunk_length is None else prefill_chunk_length
             first_token = ctx.active_token_count
             try:
@@ -226,6 +235,7 @@ class ContextAudit:
         owners = self.log.owner_counts()
         self.pool.end_step(owners)
         self.mamba.end_step()
+        self.speculative.end_step()
         if self.check_ref_counts:
             self.ref_counts.check(owners)
             self.lru.check()
@@ -268,4 +278,16 @@ class ContextAudit:
             mamba_restore_log=self.mamba.records(),
             steps_checked=self.steps_checked,
             examples={k: lines[:3] for k, lines in first.items()},
+            speculative_violations=self.count("draft_block", "spec_rewind"),
+            drafts=self.speculative.counts,
         )
+
+
+def speculative_audit(log: AuditLog) -> SpeculativeAudit:
+    """The speculative-decoding audit of ``log``'s context (its ``num_speculative_tokens``; 0 on a
+    context without the field), hashing with megatron-core's own ``compute_block_hashes_batched``."""
+    from ... import mcore
+
+    n = int(getattr(log.context, "num_speculative_tokens", 0) or 0)
+    hashes = mcore.import_module("megatron.core.inference.inference_request").compute_block_hashes_batched if n else None
+    return SpeculativeAudit(log, n, hashes)

@@ -75,6 +75,11 @@ class ModelSpec(StrictModel):
       its prefix-cache snapshots) and ``mamba_conv_states_dtype`` (of the inference conv state and
       its snapshots); None: megatron-core's default, ``params_dtype`` (Megatron-LM's
       ``--mamba-inference-*-states-dtype`` default to bf16 instead).
+    * ``mtp_num_layers``: multi-token prediction layers after the decoder (Megatron-LM's
+      ``--mtp-num-layers``; megatron-core's MTP block spec over the local layer spec), the draft
+      heads of speculative decoding (``inference.num_speculative_tokens``). None: no MTP block.
+      ``mtp_use_repeated_layer``: one MTP layer applied at every depth (Megatron-LM's
+      ``--mtp-use-repeated-layer``), so more draft tokens than MTP layers.
     """
 
     num_layers: int = Field(2, ge=1)
@@ -106,6 +111,8 @@ class ModelSpec(StrictModel):
     mamba_chunk_size: int = Field(128, ge=1)
     mamba_ssm_states_dtype: Optional[Literal["fp32", "bf16"]] = None
     mamba_conv_states_dtype: Optional[Literal["fp32", "bf16"]] = None
+    mtp_num_layers: Optional[int] = Field(None, ge=1)
+    mtp_use_repeated_layer: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -145,6 +152,12 @@ class ModelSpec(StrictModel):
         if heads % self.mamba_num_groups:
             raise ValueError(f"mamba_num_groups={self.mamba_num_groups} must divide mamba_num_heads={heads}")
         return self
+
+    @property
+    def features(self) -> list[str]:
+        """What the model has beyond a dense GPT, for ``ab --json``'s ``model_features``:
+        ``"mtp"`` with MTP layers (empty for a plain GPT model)."""
+        return ["mtp"] if self.mtp_num_layers else []
 
     @property
     def is_hybrid(self) -> bool:
@@ -189,6 +202,9 @@ class InferenceSpec(StrictModel):
     #: hybrid models: memory for the Mamba state snapshots prefix caching restores (GiB; None:
     #: megatron-core's default, no Mamba prefix cache, so a hybrid model's prompts never skip prefill)
     prefix_caching_mamba_gb: Optional[float] = Field(None, gt=0)
+    #: speculative decoding: draft tokens the model's MTP layers propose per decode step, verified
+    #: in the next forward (at most ``model.mtp_num_layers``; 0: off)
+    num_speculative_tokens: int = Field(0, ge=0)
 
 
 class SamplingSpec(StrictModel):
@@ -337,6 +353,28 @@ class Case(StrictModel):
     requests: list[RequestSpec] = Field(min_length=1)
     expectations: Expectations = Expectations()
     weight_updates: Optional[WeightUpdateSpec] = None
+
+    @property
+    def model_features(self) -> list[str]:
+        """What was built beyond a dense GPT (``ab --json``'s ``model_features``): the model's
+        :attr:`ModelSpec.features`, then ``speculative:N`` with ``N`` draft tokens per decode step."""
+        n = self.inference.num_speculative_tokens
+        return self.model.features + ([f"speculative:{n}"] if n else [])
+
+    @model_validator(mode="after")
+    def _speculative(self) -> "Case":
+        n, spec = self.inference.num_speculative_tokens, self.model
+        if n and not spec.mtp_num_layers:
+            raise ValueError(f"inference.num_speculative_tokens={n} needs MTP layers to draft them: set "
+                             "model.mtp_num_layers (or num_speculative_tokens: 0)")
+        if n > (spec.mtp_num_layers or 0) and spec.mtp_num_layers and not spec.mtp_use_repeated_layer:
+            raise ValueError(f"inference.num_speculative_tokens={n} exceeds model.mtp_num_layers="
+                             f"{spec.mtp_num_layers}: megatron-core drafts one token per MTP layer; raise "
+                             "mtp_num_layers or set mtp_use_repeated_layer: true")
+        if n and n >= self.inference.block_size_tokens:
+            raise ValueError(f"inference.num_speculative_tokens={n} must be below block_size_tokens="
+                             f"{self.inference.block_size_tokens} (megatron-core pre-allocates one block per step)")
+        return self
 
     @model_validator(mode="after")
     def _rounds(self) -> "Case":
