@@ -26,8 +26,10 @@ LRU_PRESSURE_FAULTS["0.18"] = LRU_PRESSURE_FAULTS["0.17"]
 
 #: The shipped GPT cases. The hybrid ones (``hybrid_*``) need Triton's interpreter from process
 #: start, which this process cannot promise (Triton may be imported already): they run in a fresh
-#: interpreter in ``functional_tests/test_hybrid_cases.py``.
-GPT_CASES = [name for name in shipped_cases() if not load_case(name).model.is_hybrid]
+#: interpreter in ``functional_tests/test_hybrid_cases.py``; so do the speculative-decoding ones
+#: (megatron-core's Triton MTP kernels), in ``functional_tests/test_mtp_speculative.py``.
+GPT_CASES = [name for name in shipped_cases()
+             if not load_case(name).model.is_hybrid and not load_case(name).inference.num_speculative_tokens]
 
 
 @pytest.mark.slow

@@ -37,7 +37,9 @@ def _case_param(name: str):
 
 #: Hybrid cases run single-rank only (``functional_tests/test_hybrid_cases.py``): megatron-ext's
 #: local hybrid spec and the Mamba kernels under Triton's interpreter are not set up for TP / PP.
-GPT_CASES = [name for name in shipped_cases() if not load_case(name).model.is_hybrid]
+#: Speculative-decoding cases too (functional_tests/test_mtp_speculative.py): not tried with TP / PP.
+GPT_CASES = [name for name in shipped_cases()
+             if not load_case(name).model.is_hybrid and not load_case(name).inference.num_speculative_tokens]
 
 
 @pytest.mark.slow

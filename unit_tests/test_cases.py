@@ -15,8 +15,8 @@ TOKENIZER = default_tokenizer()
 
 def test_shipped_cases():
     assert shipped_cases() == [
-        "chunked_prefill", "hybrid_chunked", "hybrid_prefix", "lru_pressure", "memory_pressure", "multi_turn_chat",
-        "rl_rollouts", "rl_weight_update", "shared_system_prompt",
+        "chunked_prefill", "hybrid_chunked", "hybrid_prefix", "lru_pressure", "memory_pressure", "mtp_speculative_tiny",
+        "multi_turn_chat", "rl_rollouts", "rl_weight_update", "shared_system_prompt",
     ]
 
 

@@ -72,6 +72,7 @@ IGNORED = {
         "ab runs one engine per layout, not data-parallel engines behind a coordinator",
     "--inference-dynamic-batching-prefix-caching-routing-alpha":
         "ab runs one engine per layout, not data-parallel engines behind a coordinator",
+    "--mtp-loss-scaling-factor": "training loss weight of the MTP layers",
 }
 
 #: Argument prefixes and arguments that change the model or engine beyond what ab reproduces.
@@ -84,11 +85,9 @@ REFUSED = {
     "--num-experts": "mixture-of-experts models are not supported by ab",
     "--expert-model-parallel-size": "mixture-of-experts models are not supported by ab",
     "--expert-tensor-parallel-size": "mixture-of-experts models are not supported by ab",
-    "--mtp-num-layers": "multi-token prediction is not supported by ab",
     "--hybrid-attention-ratio": "a layer pattern derived from ratios: give --hybrid-layer-pattern",
     "--hybrid-mlp-ratio": "a layer pattern derived from ratios: give --hybrid-layer-pattern",
-    "--mtp-hybrid-override-pattern": "multi-token prediction is not supported by ab",
-    "--num-speculative-tokens": "speculative decoding is not supported by ab",
+    "--mtp-hybrid-override-pattern": "MTP layers of a hybrid model are not supported by ab (GPT MTP layers are)",
     "--multi-latent-attention": "multi-latent attention is not supported by ab",
     "--q-lora-rank": "multi-latent attention is not supported by ab",
     "--kv-lora-rank": "multi-latent attention is not supported by ab",
@@ -126,6 +125,8 @@ MODEL_FIELDS = {
     "--mamba-head-dim": "mamba_head_dim",
     "--mamba-num-groups": "mamba_num_groups",
     "--mamba-num-heads": "mamba_num_heads",
+    "--mtp-num-layers": "mtp_num_layers",
+    "--mtp-use-repeated-layer": "mtp_use_repeated_layer",
 }
 
 #: Hybrid (Mamba + attention) models: the layer pattern's arguments (the second is Megatron-LM's
@@ -372,6 +373,7 @@ def _inference(path: Path, args: _ArgReader, device: str) -> dict[str, Any]:
         ("max_tokens", args.get("--inference-dynamic-batching-max-tokens", int)),
         ("max_sequence_length", args.get("--inference-max-seq-length", int)),
         ("enable_chunked_prefill", args.get("--enable-chunked-prefill", _flag)),
+        ("num_speculative_tokens", args.get("--num-speculative-tokens", int)),
     ) if value is not None}
     fields["block_size_tokens"] = args.get("--inference-dynamic-batching-block-size", int, MEGATRON_BLOCK_SIZE_TOKENS)
     if fields.get("buffer_size_gb", 0) > CPU_BUFFER_LIMIT_GB and device == "cpu":
