@@ -70,7 +70,7 @@ def test_conversation_turns_extend_the_previous_prompt():
         ("requests: [{prompt: hi}]\n", "field 'name': Field required"),
         ("name: x\nrequests: [{prompt: hi\n", "not valid YAML"),
         ("- just a list\n", "expected a mapping"),
-        ("name: x\ninference: {num_speculative_tokens: 1}\nrequests: [{prompt: hi}]\n",
+        ("name: x\nmodel: {num_layers: 2}\ninference: {num_speculative_tokens: 1}\nrequests: [{prompt: hi}]\n",
          "inference.num_speculative_tokens=1 needs MTP layers to draft them: set model.mtp_num_layers"),
         ("name: x\nmodel: {mtp_num_layers: 1}\ninference: {num_speculative_tokens: 2}\nrequests: [{prompt: hi}]\n",
          "inference.num_speculative_tokens=2 exceeds model.mtp_num_layers=1: megatron-core drafts one token per "
@@ -239,3 +239,14 @@ def test_hybrid_model_fills_num_layers_and_round_trips():
     assert parse_case(dump_case(case)) == case
     gpt = parse_case(_HYBRID % "num_layers: 2")
     assert not gpt.model.is_hybrid and parse_case(dump_case(gpt)) == gpt
+
+
+def test_speculative_case_without_a_model_section_is_checked_against_the_model_it_runs():
+    """A case without ``model`` may take its model from a checkpoint's args (``ab --load``): its
+    drafts are checked against that model when the run starts, not when the file loads."""
+    from megatron_ext.harness.speculative import SpeculativeDecodingError, check_supported
+
+    case = parse_case("name: x\ninference: {num_speculative_tokens: 1}\nrequests: [{prompt: hi}]\n", "case.yaml")
+    with pytest.raises(SpeculativeDecodingError, match="case 'x': inference.num_speculative_tokens=1 needs MTP "
+                                                       "layers to draft them"):
+        check_supported(case)

@@ -48,11 +48,17 @@ def check_supported(case: Any, device: str = "cpu", version: str | None = None) 
         version: megatron-core's version (None: the installed one).
 
     Raises:
-        SpeculativeDecodingError: more drafts than MTP layers on 0.17 / 0.18; on the CPU with 0.18+,
+        SpeculativeDecodingError: a model without enough MTP layers for the drafts (a model built
+            from a checkpoint's args); more drafts than MTP layers on 0.17 / 0.18; on the CPU with 0.18+,
             Triton's interpreter is off in this process.
     """
     if not is_speculative(case):
         return
+    from .cases.schema import speculative_problem
+
+    problem = speculative_problem(case)  # a model from a checkpoint's args was not validated with the case
+    if problem:
+        raise SpeculativeDecodingError(f"case '{case.name}': {problem}")
     n, spec = case.inference.num_speculative_tokens, case.model
     series = mcore.release_series(version or mcore.installed_version())
     if series in ("0.17", "0.18") and n > spec.mtp_num_layers:

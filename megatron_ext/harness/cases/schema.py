@@ -363,17 +363,11 @@ class Case(StrictModel):
 
     @model_validator(mode="after")
     def _speculative(self) -> "Case":
-        n, spec = self.inference.num_speculative_tokens, self.model
-        if n and not spec.mtp_num_layers:
-            raise ValueError(f"inference.num_speculative_tokens={n} needs MTP layers to draft them: set "
-                             "model.mtp_num_layers (or num_speculative_tokens: 0)")
-        if n > (spec.mtp_num_layers or 0) and spec.mtp_num_layers and not spec.mtp_use_repeated_layer:
-            raise ValueError(f"inference.num_speculative_tokens={n} exceeds model.mtp_num_layers="
-                             f"{spec.mtp_num_layers}: megatron-core drafts one token per MTP layer; raise "
-                             "mtp_num_layers or set mtp_use_repeated_layer: true")
-        if n and n >= self.inference.block_size_tokens:
-            raise ValueError(f"inference.num_speculative_tokens={n} must be below block_size_tokens="
-                             f"{self.inference.block_size_tokens} (megatron-core pre-allocates one block per step)")
+        # without a model section the model may come from a checkpoint's args (ab --load): checked
+        # again then, by harness.speculative.check_supported
+        problem = speculative_problem(self, with_model="model" in self.model_fields_set)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -399,6 +393,25 @@ class Case(StrictModel):
                              f"{updates.update_at_steps[-1]} may come after every request finished; give a "
                              f"request 'round: {rounds - 1}' or drop that update")
         return self
+
+
+def speculative_problem(case: Case, with_model: bool = True) -> Optional[str]:
+    """Why ``case``'s speculative decoding cannot be built (one sentence), or None.
+    ``with_model``: also check ``inference.num_speculative_tokens`` against the model's MTP layers."""
+    n, spec = case.inference.num_speculative_tokens, case.model
+    if n and n >= case.inference.block_size_tokens:
+        return (f"inference.num_speculative_tokens={n} must be below block_size_tokens="
+                f"{case.inference.block_size_tokens} (megatron-core pre-allocates one block per step)")
+    if not n or not with_model:
+        return None
+    if not spec.mtp_num_layers:
+        return (f"inference.num_speculative_tokens={n} needs MTP layers to draft them: set "
+                "model.mtp_num_layers (or num_speculative_tokens: 0)")
+    if n > spec.mtp_num_layers and not spec.mtp_use_repeated_layer:
+        return (f"inference.num_speculative_tokens={n} exceeds model.mtp_num_layers={spec.mtp_num_layers}: "
+                "megatron-core drafts one token per MTP layer; raise mtp_num_layers or set "
+                "mtp_use_repeated_layer: true")
+    return None
 
 
 def turn_prompts(spec: RequestSpec) -> list[str]:
