@@ -28,8 +28,11 @@ LRU_PRESSURE_FAULTS["0.18"] = LRU_PRESSURE_FAULTS["0.17"]
 #: start, which this process cannot promise (Triton may be imported already): they run in a fresh
 #: interpreter in ``functional_tests/test_hybrid_cases.py``. The multi-latent attention case
 #: (``mla_tiny``) runs on 0.18+ only: ``functional_tests/test_mla.py``.
+#: The speculative-decoding ones run in a fresh interpreter too the speculative-decoding ones
+#: (megatron-core's Triton MTP kernels), in ``functional_tests/test_mtp_speculative.py``.
 GPT_CASES = [name for name in shipped_cases()
-             if not load_case(name).model.is_hybrid and not load_case(name).model.multi_latent_attention]
+             if not load_case(name).model.is_hybrid and not load_case(name).model.multi_latent_attention
+             and not load_case(name).inference.num_speculative_tokens]
 
 
 @pytest.mark.slow

@@ -38,8 +38,10 @@ def _case_param(name: str):
 #: Hybrid cases run single-rank only (``functional_tests/test_hybrid_cases.py``): megatron-ext's
 #: local hybrid spec and the Mamba kernels under Triton's interpreter are not set up for TP / PP.
 #: ``mla_tiny`` too: multi-latent attention runs single-rank (``functional_tests/test_mla.py``).
+#: Speculative-decoding cases too (functional_tests/test_mtp_speculative.py): not tried with TP / PP.
 GPT_CASES = [name for name in shipped_cases()
-             if not load_case(name).model.is_hybrid and not load_case(name).model.multi_latent_attention]
+             if not load_case(name).model.is_hybrid and not load_case(name).model.multi_latent_attention
+             and not load_case(name).inference.num_speculative_tokens]
 
 
 @pytest.mark.slow

@@ -16,8 +16,7 @@ TOKENIZER = default_tokenizer()
 def test_shipped_cases():
     assert shipped_cases() == [
         "chunked_prefill", "hybrid_chunked", "hybrid_prefix", "lru_pressure", "memory_pressure", "mla_tiny",
-        "moe_tiny", "multi_turn_chat",
-        "rl_rollouts", "rl_weight_update", "shared_system_prompt",
+        "moe_tiny", "mtp_speculative_tiny", "multi_turn_chat", "rl_rollouts", "rl_weight_update", "shared_system_prompt",
     ]
 
 
@@ -71,11 +70,33 @@ def test_conversation_turns_extend_the_previous_prompt():
         ("requests: [{prompt: hi}]\n", "field 'name': Field required"),
         ("name: x\nrequests: [{prompt: hi\n", "not valid YAML"),
         ("- just a list\n", "expected a mapping"),
+        ("name: x\nmodel: {num_layers: 2}\ninference: {num_speculative_tokens: 1}\nrequests: [{prompt: hi}]\n",
+         "inference.num_speculative_tokens=1 needs MTP layers to draft them: set model.mtp_num_layers"),
+        ("name: x\nmodel: {mtp_num_layers: 1}\ninference: {num_speculative_tokens: 2}\nrequests: [{prompt: hi}]\n",
+         "inference.num_speculative_tokens=2 exceeds model.mtp_num_layers=1: megatron-core drafts one token per "
+         "MTP layer; raise mtp_num_layers or set mtp_use_repeated_layer: true"),
+        ("name: x\nmodel: {mtp_num_layers: 1, mtp_use_repeated_layer: true}\n"
+         "inference: {num_speculative_tokens: 4, block_size_tokens: 4}\nrequests: [{prompt: hi}]\n",
+         "inference.num_speculative_tokens=4 must be below block_size_tokens=4"),
+        ("name: x\nmodel: {mtp_num_layers: 0}\nrequests: [{prompt: hi}]\n", "field 'model.mtp_num_layers'"),
     ],
 )
 def test_malformed_case_names_the_problem(text, message):
     with pytest.raises(CaseFileError, match=message.replace("(", r"\(").replace("[", r"\[")):
         parse_case(text, "case.yaml")
+
+
+def test_mtp_speculative_tiny_plans_shared_prefixes_and_features():
+    case = load_case("mtp_speculative_tiny")
+    assert (case.model.mtp_num_layers, case.model.mtp_use_repeated_layer, case.inference.num_speculative_tokens,
+            case.inference.block_size_tokens) == (1, True, 2, 8)
+    assert case.model.features == ["mtp"] and case.model_features == ["mtp", "speculative:2"]
+    assert load_case("rl_rollouts").model_features == []
+    planned = plan_requests(case, TOKENIZER)
+    assert [len(p.prompt_tokens) for p in planned] == [21, 21, 24, 24, 24, 30]
+    assert [p.arrival_step for p in planned] == [0, 0, 0, 0, 3, 6]
+    assert planned[4].prompt_tokens[:16] == planned[0].prompt_tokens[:16]  # 2 shared blocks
+    assert planned[5].prompt_tokens[:24] == planned[2].prompt_tokens  # 3 shared blocks
 
 
 def test_prompt_longer_than_max_sequence_length_is_refused():
@@ -253,3 +274,14 @@ def test_mla_sizes_apply_to_mla_models_only_and_the_case_round_trips():
     planned = plan_requests(case, TOKENIZER)
     assert [len(p.prompt_tokens) for p in planned] == [147, 71, 128, 144]
     assert all(p.prompt_tokens[:128] == planned[2].prompt_tokens for p in planned if p.request_id != 1)
+
+
+def test_speculative_case_without_a_model_section_is_checked_against_the_model_it_runs():
+    """A case without ``model`` may take its model from a checkpoint's args (``ab --load``): its
+    drafts are checked against that model when the run starts, not when the file loads."""
+    from megatron_ext.harness.speculative import SpeculativeDecodingError, check_supported
+
+    case = parse_case("name: x\ninference: {num_speculative_tokens: 1}\nrequests: [{prompt: hi}]\n", "case.yaml")
+    with pytest.raises(SpeculativeDecodingError, match="case 'x': inference.num_speculative_tokens=1 needs MTP "
+                                                       "layers to draft them"):
+        check_supported(case)

@@ -11,7 +11,7 @@ reader of a checkpoint's common state (``checkpoint.read_common_state``).
 * Hybrid models: the layer pattern (``hybrid_layer_pattern`` or the older
   ``hybrid_override_pattern``), the Mamba sizes (Megatron-LM's defaults where absent), the
   inference state dtypes, megatron-core's hybrid stack spec accepted; patterns derived from ratios,
-  with multi-token prediction, or given twice differently are refused by name.
+  with multi-token prediction layers after "/", or given twice differently are refused by name.
 * ``read_common_state`` of a ``common.pt`` holding objects of classes outside megatron-core's
   safe globals: plain values read, the unknown objects come back as ``UnloadedObject`` and
   nothing named in the file runs.
@@ -100,7 +100,6 @@ def _args(**changes) -> argparse.Namespace:
     ({"num_experts": 64, "moe_layer_freq": 2},
      "moe_layer_freq=2 (experts in some layers only; the harness puts them in every layer)"),
     ({"multi_latent_attention": True}, "multi_latent_attention=True (multi-latent attention)"),
-    ({"mtp_num_layers": 1}, "mtp_num_layers=1 (multi-token prediction layers)"),
     ({"spec": ["my.module", "layer_spec"]}, "spec=['my.module', 'layer_spec'] (a custom layer spec module)"),
     ({"apply_layernorm_1p": True}, "apply_layernorm_1p=True (zero-centered (1p) layer norm)"),
     ({"squared_relu": True}, "squared_relu=True (squared-ReLU activation)"),
@@ -117,6 +116,14 @@ def test_unsupported_argument_is_refused_by_name(changes, named):
     message = str(info.value)
     assert message == f"--load /ckpt: the checkpoint's model has arguments the harness cannot build: {named}"
     assert "\n" not in message
+
+
+def test_mtp_layers_round_trip_through_the_args():
+    spec = LLAMA.model_copy(update={"mtp_num_layers": 1, "mtp_use_repeated_layer": True})
+    args = megatron_lm_args(spec, 512)
+    assert (args.mtp_num_layers, args.mtp_use_repeated_layer) == (1, True)
+    assert model_spec_from_args(args, "ckpt", LLAMA) == spec
+    assert model_spec_from_args(_args(mtp_num_layers=0), "ckpt", LLAMA).mtp_num_layers is None
 
 
 def test_several_refusals_are_all_named():

@@ -63,7 +63,8 @@ def test_every_argument_is_mapped_or_listed_once(tmp_path):
     assert case.name == "gpt_dynamic_inference_tp1_pp1_tiny_prefix_caching_lru"
     assert case.inference.model_dump() == {"block_size_tokens": 16, "buffer_size_gb": 0.002, "max_requests": 16,
                                            "max_tokens": 64, "max_sequence_length": 256,
-                                           "enable_chunked_prefill": True, "prefix_caching_mamba_gb": None}
+                                           "enable_chunked_prefill": True, "prefix_caching_mamba_gb": None,
+                                           "num_speculative_tokens": 0}
     assert case.prefix_caching_eviction_policies == ["lru"]
     assert (case.sampling.temperature, case.sampling.top_k) == (1.0, 1)
     assert [(r.prompt, r.samples, r.num_tokens_to_generate, r.arrival_step) for r in case.requests] == [
@@ -100,6 +101,21 @@ def test_an_unknown_argument_exits_unless_allowed_and_is_then_named(tmp_path):
     assert "--some-new-flag" not in dict(mc.ignored)
 
 
+def test_mtp_and_speculative_decoding_map_onto_the_case(tmp_path):
+    args = {**MODEL_ARGS, "--use-checkpoint-args": False, "--mtp-num-layers": 1, "--mtp-use-repeated-layer": True,
+            "--num-speculative-tokens": 2, "--mtp-loss-scaling-factor": 0.1}
+    mc = load_megatron_case(write(tmp_path, args), environ={"CHECKPOINT_LOAD_PATH": "/c"})
+    model, inference = mc.case.model, mc.case.inference
+    assert (model.mtp_num_layers, model.mtp_use_repeated_layer, inference.num_speculative_tokens) == (1, True, 2)
+    assert mc.case.model_features == ["mtp", "speculative:2"]
+    assert dict(mc.ignored)["--mtp-loss-scaling-factor"] == "training loss weight of the MTP layers"
+    del args["--mtp-use-repeated-layer"]
+    with pytest.raises(CaseFileError) as error:
+        load_megatron_case(write(tmp_path, args), environ={"CHECKPOINT_LOAD_PATH": "/c"})
+    assert "inference.num_speculative_tokens=2 exceeds model.mtp_num_layers=1: megatron-core drafts one token " \
+           "per MTP layer; raise mtp_num_layers or set mtp_use_repeated_layer: true" in str(error.value)
+
+
 def test_block_size_defaults_to_megatrons(tmp_path):
     args = {k: v for k, v in MODEL_ARGS.items() if k != "--inference-dynamic-batching-block-size"}
     assert load_megatron_case(write(tmp_path, args), environ={"CHECKPOINT_LOAD_PATH": "/c"}).case.inference.block_size_tokens == 256
@@ -111,9 +127,11 @@ def test_block_size_defaults_to_megatrons(tmp_path):
      "--moe-ffn-hidden-size and --moe-enable-routing-replay only); --expert-model-parallel-size (expert "
      "parallelism is not supported by ab (experts on every rank))"),
     ({"--fp16": True}, "refused: --fp16 (ab runs bf16 or fp32)"),
-    ({"--mtp-num-layers": 1, "--num-speculative-tokens": 2},
-     "refused: --mtp-num-layers (multi-token prediction is not supported by ab); --num-speculative-tokens "
-     "(speculative decoding is not supported by ab)"),
+    ({"--mtp-num-layers": 1, "--mtp-hybrid-override-pattern": "M"},
+     "refused: --mtp-hybrid-override-pattern (MTP layers of a hybrid model are not supported by ab (GPT MTP "
+     "layers are))"),
+    ({"--use-checkpoint-args": False, "--num-speculative-tokens": 2}, "field '<top>': Value error, inference.num_speculative_tokens=2 needs MTP "
+                                      "layers to draft them: set model.mtp_num_layers"),
     ({"--ckpt-format": "torch"}, "--ckpt-format torch: ab loads torch_dist checkpoints only"),
     ({"--incoming-requests-per-sec": 10}, "--incoming-requests-per-sec > 0 draws random arrival times"),
     ({"--inference-dynamic-batching-buffer-size-gb": 20}, "--inference-dynamic-batching-buffer-size-gb 20.0 would "

@@ -20,6 +20,7 @@ from ..errors import DeviceUnavailableError
 from ..patches import RoutingPerBlockPatch, TopNPrefillChunksPatch
 from ..patching import fault_label
 from .audits import FAULT_OF_KIND
+from .speculative import check_supported as check_speculative
 from .cases.planning import PlannedRequest, check_top_n_fits, plan_requests, validate_planned
 from .cases.schema import Case
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint, resolve_checkpoint
@@ -167,6 +168,10 @@ class ABResult:
                 f"{FAULT_OF_KIND['mamba_restore']}: {self.total('mamba_restore_violations')} hybrid requests "
                 "skipped prefill tokens without their Mamba state restored")
         problems.extend(self._routing_failures())
+        if self.total("speculative_violations"):
+            problems.append(
+                f"speculative decoding: {self.total('speculative_violations')} violations (hash-registered "
+                "blocks holding drafts, or a rollback that left the KV bookkeeping broken)")
         problems.extend(self._update_mismatches())
         if self.trainer_logprobs is not None:
             problems.extend(self.trainer_logprobs.failures())
@@ -233,12 +238,14 @@ class ABResult:
             "failures": self.failures(),
             "warnings": self.warnings(),
             "unknown_args_allowed": self.unknown_args_allowed,
-            "model_features": self.case.model.features,
             "num_requests": len(self.baseline.outputs),
             "kv_write_violations": self.total("kv_write_violations"),
             "refcount_violations": self.total("refcount_violations"),
             "lru_violations": self.total("lru_violations"),
             "stale_hits": self.total("stale_hits"),
+            "model_features": self.case.model_features,
+            **({} if not self.case.inference.num_speculative_tokens else {
+                "speculative_violations": self.total("speculative_violations")}),
             **({} if not self.case.model.is_hybrid else {
                 "mamba_restores": self.total("mamba_restores"),
                 "mamba_restores_failed": self.total("mamba_restores_failed"),
@@ -465,6 +472,7 @@ def run_ab(
                    else TrainerForward.of_mode(trainer_logprobs))
         check_supported(forward, case, device, tensor_model_parallel_size, pipeline_model_parallel_size)
     check_device(device)
+    check_speculative(case, device)
     dist_timeout()  # a bad MEGATRON_EXT_DIST_TIMEOUT_S is refused before megatron-core is imported
     patch_results = apply() if patched else revert()
     patches = [r.as_dict() for r in patch_results]

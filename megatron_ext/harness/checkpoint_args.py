@@ -36,7 +36,6 @@ UNSUPPORTED_ARGS = {
     "moe_router_num_groups": (None, "group-limited routing"),
     "moe_router_enable_expert_bias": (False, "expert bias in the router"),
     "multi_latent_attention": (False, "multi-latent attention"),
-    "mtp_num_layers": (None, "multi-token prediction layers"),
     "spec": (None, "a custom layer spec module"),
     "heterogeneous_layers_config_path": (None, "heterogeneous layers"),
     "experimental_attention_variant": (None, "an experimental attention variant"),
@@ -117,7 +116,8 @@ def megatron_lm_args(spec: ModelSpec, padded_vocab_size: int, tensor_model_paral
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         **_moe_args(spec),
         multi_latent_attention=False,
-        mtp_num_layers=None,
+        mtp_num_layers=spec.mtp_num_layers,
+        mtp_use_repeated_layer=spec.mtp_use_repeated_layer,
         spec=None,
         transformer_impl="local",
         ckpt_format="torch_dist",
@@ -308,6 +308,8 @@ def model_spec_from_args(args: Any, where: str, base: Optional[ModelSpec] = None
         params_dtype=_params_dtype(args),
         seed=base.seed,
         init_method_std=base.init_method_std,
+        mtp_num_layers=getattr(args, "mtp_num_layers", None) or None,  # Megatron-LM: None or 0 without MTP
+        mtp_use_repeated_layer=bool(getattr(args, "mtp_use_repeated_layer", False)),
     )
     fields.update(_mamba_fields(args, _hybrid_pattern(args)[0]))
     fields.update(_moe_fields(args))

@@ -21,6 +21,7 @@ from .dtypes import TORCH_DTYPES
 from .hybrid import build_hybrid_model, mamba_inference_state_config
 from .mla import mla_config_fields, mla_layer_spec
 from .routing import use_router_replays
+from .speculative import inference_options as speculative_options
 from .tokenizer import Tokenizer, default_tokenizer
 
 
@@ -107,6 +108,8 @@ def transformer_config(case: Case) -> Any:
         optional["pipeline_dtype"] = dtype  # megatron-core requires it with pipeline parallelism
     if spec.swiglu:
         optional.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    if spec.mtp_num_layers:
+        optional.update(mtp_num_layers=spec.mtp_num_layers, mtp_use_repeated_layer=spec.mtp_use_repeated_layer)
     if spec.is_hybrid:
         optional.update(mamba_state_dim=spec.mamba_state_dim, mamba_head_dim=spec.mamba_head_dim,
                         mamba_num_groups=spec.mamba_num_groups, mamba_num_heads=spec.mamba_num_heads)
@@ -174,17 +177,18 @@ def build_model(case: Case) -> Any:
     )
     if spec.is_hybrid:
         model = build_hybrid_model(spec, **shared)
-    elif spec.multi_latent_attention:
-        model = gpt_model.GPTModel(transformer_layer_spec=mla_layer_spec(spec), **shared)
     else:
-        layer_options = {} if spec.normalization == "LayerNorm" else {"normalization": spec.normalization}
-        if spec.is_moe:
-            layer_options["num_experts"] = spec.num_experts
-        model = gpt_model.GPTModel(
-            transformer_layer_spec=layer_specs.get_gpt_layer_local_spec(
-                qk_layernorm=spec.qk_layernorm, **layer_options),
-            **shared,
-        )
+        if spec.multi_latent_attention:
+            layer_spec = mla_layer_spec(spec)
+        else:
+            layer_options = {} if spec.normalization == "LayerNorm" else {"normalization": spec.normalization}
+            if spec.is_moe:
+                layer_options["num_experts"] = spec.num_experts
+            layer_spec = layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, **layer_options)
+        if spec.mtp_num_layers:  # megatron-core's MTP block over the same layer spec
+            shared["mtp_block_spec"] = layer_specs.get_gpt_mtp_block_spec(
+                config, layer_spec, use_transformer_engine=False)
+        model = gpt_model.GPTModel(transformer_layer_spec=layer_spec, **shared)
     use_router_replays(model)
     return model.to(TORCH_DTYPES[case.model.params_dtype]).eval()
 
@@ -199,7 +203,7 @@ def inference_config(case: Case, prefix_caching: bool, eviction_policy: str,
     ``inference.prefix_caching_mamba_gb`` is passed only when the case sets it."""
     module = mcore.import_module("megatron.core.inference.config")
     updates = case.weight_updates
-    optional = {}
+    optional = speculative_options(case)
     if mamba_inference_state_config is not None:
         optional["mamba_inference_state_config"] = mamba_inference_state_config
     if updates is not None and updates.suspend_resume:

@@ -76,6 +76,7 @@ IGNORED = {
         "ab runs one engine per layout, not data-parallel engines behind a coordinator",
     "--inference-dynamic-batching-prefix-caching-routing-alpha":
         "ab runs one engine per layout, not data-parallel engines behind a coordinator",
+    "--mtp-loss-scaling-factor": "training loss weight of the MTP layers",
 }
 
 #: Argument prefixes and arguments that change the model or engine beyond what ab reproduces.
@@ -88,11 +89,9 @@ REFUSED_PREFIXES = {
 REFUSED = {
     "--expert-model-parallel-size": "expert parallelism is not supported by ab (experts on every rank)",
     "--expert-tensor-parallel-size": "expert parallelism is not supported by ab (experts on every rank)",
-    "--mtp-num-layers": "multi-token prediction is not supported by ab",
     "--hybrid-attention-ratio": "a layer pattern derived from ratios: give --hybrid-layer-pattern",
     "--hybrid-mlp-ratio": "a layer pattern derived from ratios: give --hybrid-layer-pattern",
-    "--mtp-hybrid-override-pattern": "multi-token prediction is not supported by ab",
-    "--num-speculative-tokens": "speculative decoding is not supported by ab",
+    "--mtp-hybrid-override-pattern": "MTP layers of a hybrid model are not supported by ab (GPT MTP layers are)",
     "--window-size": "sliding-window attention is not supported by the CPU backend",
     "--softmax-type": "only the default softmax is supported",
     "--fp16": "ab runs bf16 or fp32",
@@ -128,6 +127,8 @@ MODEL_FIELDS = {
     "--moe-router-topk": "moe_router_topk",
     "--moe-ffn-hidden-size": "moe_ffn_hidden_size",
     "--moe-enable-routing-replay": "moe_enable_routing_replay",
+    "--mtp-num-layers": "mtp_num_layers",
+    "--mtp-use-repeated-layer": "mtp_use_repeated_layer",
 }
 
 #: Multi-latent attention: ``--flag`` -> model section field, and Megatron-LM's default where the
@@ -386,6 +387,7 @@ def _inference(path: Path, args: _ArgReader, device: str) -> dict[str, Any]:
         ("max_tokens", args.get("--inference-dynamic-batching-max-tokens", int)),
         ("max_sequence_length", args.get("--inference-max-seq-length", int)),
         ("enable_chunked_prefill", args.get("--enable-chunked-prefill", _flag)),
+        ("num_speculative_tokens", args.get("--num-speculative-tokens", int)),
     ) if value is not None}
     fields["block_size_tokens"] = args.get("--inference-dynamic-batching-block-size", int, MEGATRON_BLOCK_SIZE_TOKENS)
     if fields.get("buffer_size_gb", 0) > CPU_BUFFER_LIMIT_GB and device == "cpu":

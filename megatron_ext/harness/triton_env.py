@@ -33,7 +33,8 @@ def ensure_hybrid_cpu_environment(case: Any, device: str, program: bool) -> None
     its caller must set them.
 
     Args:
-        case: the run's :class:`~megatron_ext.harness.cases.Case`; a GPT case needs nothing.
+        case: the run's :class:`~megatron_ext.harness.cases.Case`; a GPT case needs nothing unless
+            it decodes speculatively (megatron-core's Triton MTP kernels).
         device: ``"cpu"`` or ``"cuda"``; CUDA needs nothing.
         program: this process is the ``megatron-ext`` program (it may re-execute itself).
 
@@ -41,8 +42,8 @@ def ensure_hybrid_cpu_environment(case: Any, device: str, program: bool) -> None
         TritonEnvironmentError: they are missing, Triton is already imported and this process
             cannot re-execute itself (already re-executed once).
     """
-    if not case.model.is_hybrid or device != "cpu":
-        return
+    if not (case.model.is_hybrid or case.inference.num_speculative_tokens) or device != "cpu":
+        return  # GPT cases without speculative decoding run no Triton kernel on the CPU
     from ..cpu_backend.mamba import TRITON_CPU_ENV
 
     missing = {k: v for k, v in TRITON_CPU_ENV.items() if os.environ.get(k) != v}
@@ -56,7 +57,7 @@ def ensure_hybrid_cpu_environment(case: Any, device: str, program: bool) -> None
         sys.stderr.flush()
         os.environ.update({**missing, TRITON_REEXEC_ENV: "1"})
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-    raise TritonEnvironmentError("hybrid case on the CPU: Triton was imported before megatron-ext could set "
+    raise TritonEnvironmentError(f"{'hybrid' if case.model.is_hybrid else 'speculative-decoding'} case on the CPU: Triton was imported before megatron-ext could set "
                                  + " ".join(f"{k}={v}" for k, v in missing.items())
                                  + "; set them in the environment before Python starts")
 

@@ -8,7 +8,9 @@ top of whatever class-level code is installed (patched or not) and is removed wi
 :mod:`.ref_counts` (fault 1), :mod:`.lru` (faults 3-5), :mod:`.stale_hits` (fault 8), :mod:`.mamba_snapshots` (hybrid models:
 the Mamba state restores, fault H1; through the Mamba slot allocator's ``restore_to_live``),
 :mod:`.routing_replay` (MoE models with routing replay: through the allocator's ``store_routing_per_block``,
-``reconstruct_routing_from_blocks`` and ``reset``), and :mod:`.pool` (pool pressure and prefix-cache counters, measured, not checked).
+``reconstruct_routing_from_blocks`` and ``reset``), :mod:`.speculative` (speculative decoding: no draft
+in a hash-registered block, a whole rollback) and :mod:`.pool` (pool pressure and prefix-cache counters,
+measured, not checked).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .mamba_snapshots import MambaSnapshotAudit
 from .pool import PoolAudit, PoolPressure, PrefixCacheCounters
 from .ref_counts import RefCountAudit
 from .routing_replay import RoutingReplayAudit
+from .speculative import DraftCounts, SpeculativeAudit
 from .stale_hits import StaleHitAudit
 
 
@@ -56,6 +59,9 @@ class AuditSummary:
         block_routing_max_entries: the most blocks ``block_routing`` held after a step (0: no
             routing replay, or a release without per-block routing).
         steps_checked: steps whose ref counts were checked.
+        speculative_violations: speculative decoding: hash-registered blocks holding drafts
+            (``draft_block``) and rollbacks that left the bookkeeping broken (``spec_rewind``).
+        drafts: speculative decoding: :class:`~.speculative.DraftCounts` (all 0 without it).
         examples: violation kind -> its first three violations as ``step N: detail`` lines.
     """
 
@@ -76,6 +82,8 @@ class AuditSummary:
     block_routing_max_entries: int = 0
     steps_checked: int = 0
     examples: dict[str, list[str]] = field(default_factory=dict)
+    speculative_violations: int = 0
+    drafts: DraftCounts = field(default_factory=DraftCounts)
 
 
 class ContextAudit:
@@ -98,6 +106,7 @@ class ContextAudit:
         self.stale = StaleHitAudit(self.log)
         self.mamba = MambaSnapshotAudit(self.log)
         self.routing = RoutingReplayAudit(self.log)
+        self.speculative = speculative_audit(self.log)
         self.steps_checked = 0
         self._allocator = None
         self._mamba_slots = None
@@ -131,6 +140,7 @@ class ContextAudit:
             self.stale.begin_add_request(req.request_id, finished)
             self.mamba.begin_add_request(req.request_id)
             self.routing.prompt(req.request_id, req.prompt_tokens)
+            self.speculative.added(req)
             chunk = req.remaining_prompt_length if prefill_chunk_length is None else prefill_chunk_length
             first_token = ctx.active_token_count
             try:
@@ -267,6 +277,7 @@ class ContextAudit:
         self.pool.end_step(owners)
         self.mamba.end_step()
         self.routing.end_step(self.context.kv_block_allocator)
+        self.speculative.end_step()
         if self.check_ref_counts:
             self.ref_counts.check(owners)
             self.lru.check()
@@ -313,4 +324,16 @@ class ContextAudit:
             block_routing_max_entries=self.routing.max_entries,
             steps_checked=self.steps_checked,
             examples={k: lines[:3] for k, lines in first.items()},
+            speculative_violations=self.count("draft_block", "spec_rewind"),
+            drafts=self.speculative.counts,
         )
+
+
+def speculative_audit(log: AuditLog) -> SpeculativeAudit:
+    """The speculative-decoding audit of ``log``'s context (its ``num_speculative_tokens``; 0 on a
+    context without the field), hashing with megatron-core's own ``compute_block_hashes_batched``."""
+    from ... import mcore
+
+    n = int(getattr(log.context, "num_speculative_tokens", 0) or 0)
+    hashes = mcore.import_module("megatron.core.inference.inference_request").compute_block_hashes_batched if n else None
+    return SpeculativeAudit(log, n, hashes)

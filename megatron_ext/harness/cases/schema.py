@@ -97,6 +97,11 @@ class ModelSpec(StrictModel):
       ``inference.block_size_tokens`` 64 and ``position_embedding_type: rope``; ``qk_layernorm``
       puts RMS/LayerNorms on the compressed query and KV (DeepSeek's q_a / kv_a norms);
       ``num_attention_heads`` heads, ``kv_channels`` / ``num_query_groups`` unused.
+    * ``mtp_num_layers``: multi-token prediction layers after the decoder (Megatron-LM's
+      ``--mtp-num-layers``; megatron-core's MTP block spec over the local layer spec), the draft
+      heads of speculative decoding (``inference.num_speculative_tokens``). None: no MTP block.
+      ``mtp_use_repeated_layer``: one MTP layer applied at every depth (Megatron-LM's
+      ``--mtp-use-repeated-layer``), so more draft tokens than MTP layers.
     """
 
     num_layers: int = Field(2, ge=1)
@@ -138,6 +143,8 @@ class ModelSpec(StrictModel):
     qk_head_dim: int = Field(16, ge=1)
     qk_pos_emb_head_dim: int = Field(8, ge=2)
     v_head_dim: int = Field(16, ge=1)
+    mtp_num_layers: Optional[int] = Field(None, ge=1)
+    mtp_use_repeated_layer: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -225,10 +232,11 @@ class ModelSpec(StrictModel):
     @property
     def features(self) -> list[str]:
         """What the model is beyond a dense GPT, as ``ab --json`` reports it (``model_features``):
-        ``"hybrid"``, ``"moe"``, ``"routing_replay"``, ``"mla"`` (in that order; [] for a dense GPT)."""
+        ``"hybrid"``, ``"moe"``, ``"routing_replay"``, ``"mla"``, ``"mtp"`` (in that order; [] for a
+        dense GPT). :attr:`Case.model_features` adds the engine's speculative decoding."""
         return [name for name, on in (("hybrid", self.is_hybrid), ("moe", self.is_moe),
                                       ("routing_replay", self.is_moe and self.moe_enable_routing_replay),
-                                      ("mla", self.multi_latent_attention)) if on]
+                                      ("mla", self.multi_latent_attention), ("mtp", bool(self.mtp_num_layers))) if on]
 
     @property
     def is_hybrid(self) -> bool:
@@ -282,6 +290,9 @@ class InferenceSpec(StrictModel):
     #: hybrid models: memory for the Mamba state snapshots prefix caching restores (GiB; None:
     #: megatron-core's default, no Mamba prefix cache, so a hybrid model's prompts never skip prefill)
     prefix_caching_mamba_gb: Optional[float] = Field(None, gt=0)
+    #: speculative decoding: draft tokens the model's MTP layers propose per decode step, verified
+    #: in the next forward (at most ``model.mtp_num_layers``; 0: off)
+    num_speculative_tokens: int = Field(0, ge=0)
 
 
 class SamplingSpec(StrictModel):
@@ -431,6 +442,22 @@ class Case(StrictModel):
     expectations: Expectations = Expectations()
     weight_updates: Optional[WeightUpdateSpec] = None
 
+    @property
+    def model_features(self) -> list[str]:
+        """What was built beyond a dense GPT (``ab --json``'s ``model_features``): the model's
+        :attr:`ModelSpec.features`, then ``speculative:N`` with ``N`` draft tokens per decode step."""
+        n = self.inference.num_speculative_tokens
+        return self.model.features + ([f"speculative:{n}"] if n else [])
+
+    @model_validator(mode="after")
+    def _speculative(self) -> "Case":
+        # without a model section the model may come from a checkpoint's args (ab --load): checked
+        # again then, by harness.speculative.check_supported
+        problem = speculative_problem(self, with_model="model" in self.model_fields_set)
+        if problem:
+            raise ValueError(problem)
+        return self
+
     @model_validator(mode="after")
     def _mla_block_size(self) -> "Case":
         # megatron-core's latent KV cache asserts FlashMLA's page size (dynamic_context.py)
@@ -463,6 +490,25 @@ class Case(StrictModel):
                              f"{updates.update_at_steps[-1]} may come after every request finished; give a "
                              f"request 'round: {rounds - 1}' or drop that update")
         return self
+
+
+def speculative_problem(case: Case, with_model: bool = True) -> Optional[str]:
+    """Why ``case``'s speculative decoding cannot be built (one sentence), or None.
+    ``with_model``: also check ``inference.num_speculative_tokens`` against the model's MTP layers."""
+    n, spec = case.inference.num_speculative_tokens, case.model
+    if n and n >= case.inference.block_size_tokens:
+        return (f"inference.num_speculative_tokens={n} must be below block_size_tokens="
+                f"{case.inference.block_size_tokens} (megatron-core pre-allocates one block per step)")
+    if not n or not with_model:
+        return None
+    if not spec.mtp_num_layers:
+        return (f"inference.num_speculative_tokens={n} needs MTP layers to draft them: set "
+                "model.mtp_num_layers (or num_speculative_tokens: 0)")
+    if n > spec.mtp_num_layers and not spec.mtp_use_repeated_layer:
+        return (f"inference.num_speculative_tokens={n} exceeds model.mtp_num_layers={spec.mtp_num_layers}: "
+                "megatron-core drafts one token per MTP layer; raise mtp_num_layers or set "
+                "mtp_use_repeated_layer: true")
+    return None
 
 
 def turn_prompts(spec: RequestSpec) -> list[str]:
