@@ -150,6 +150,9 @@ def test_tree_inside_a_git_checkout_is_really_patched(tmp_path):
                        "megatron/core/inference/contexts/mamba_slot_allocator.py",
                        "megatron/core/inference/engines/dynamic_engine.py",
                        "megatron/core/inference/inference_request.py",
+                       # routing-per-block (0.17 only): the controller's routing bookkeeping
+                       *(["megatron/core/inference/text_generation_controllers/text_generation_controller.py"]
+                         if SERIES == "0.17" else []),
                        "megatron/core/resharding/refit.py",
                        "megatron/core/ssm/mamba_mixer.py",
                        "megatron/core/ssm/ops/mamba_ssm.py"]
