@@ -102,3 +102,39 @@ def test_moe_checkpoint_round_trip_builds_the_moe_model_from_its_args(tmp_path, 
     assert len(experts) == 2 * 4 * 4  # layers x experts x (fc1, fc2) x (weight, bias)
     for name, param in saved.named_parameters():
         assert torch.equal(loaded[name], param), name
+
+
+def moe_rounds_case():
+    """``rl_weight_update`` (3 rounds, 2 train steps, suspend/resume, shared system prompt) on
+    ``moe_tiny``'s MoE model without biases (MoE models train without them)."""
+    case = load_case("rl_weight_update")
+    model = load_case("moe_tiny").model.model_copy(update={"add_bias_linear": False})
+    return case.model_copy(update={"name": "moe_rounds", "model": model})
+
+
+@pytest.mark.slow
+def test_moe_rounds_with_train_steps_replay_fresh_routing_and_the_trainer_replays_it(mcore_series):
+    """Across two training steps with the prefix cache flushed (fault 8's fix) no stale routing is
+    replayed (audited where megatron-core stores routing per block: 0.18+), and the trainer forward
+    replays the engine's routing: log-probs bit-identical."""
+    result = run_ab(moe_rounds_case(), patched=True, trainer_logprobs="matched")
+    report = result.as_json()
+    assert (report["failures"], report["bit_identical"], report["num_requests"]) == ([], True, 13)
+    assert (report["routing_replay_violations"], report["stale_hits"], report["routing_tokens_checked"] > 0) == (
+        0, 0, mcore_series != "0.17")
+    assert [len(run.updates) for run in result.runs] == [2, 2, 2]
+    trainer = report["trainer_logprobs"]
+    assert {name: (run["tokens"], run["bit_identical_tokens"], run["left_out_tokens"], run["routing_replayed"])
+            for name, run in trainer.items()} == {name: (72, 72, 24, True) for name in (
+                "A: caching off", "B: caching on, ref_zero", "B: caching on, lru")}
+
+
+def test_train_step_of_an_moe_model_with_biases_is_refused_in_one_line():
+    case = moe_rounds_case()
+    case = case.model_copy(update={"model": case.model.model_copy(update={"add_bias_linear": True})})
+    from megatron_ext.harness.weight_updates import WeightUpdateError
+
+    with pytest.raises(WeightUpdateError,
+                       match="^case 'moe_rounds': weight_updates kind train_step on a mixture-of-experts model with "
+                             "add_bias_linear: .* set model.add_bias_linear: false or use kind perturb$"):
+        run_ab(case, patched=True)

@@ -436,7 +436,7 @@ def run_ab(
     Raises:
         WeightUpdateError: ``update_from`` without a ``checkpoint`` update, a ``checkpoint`` update
             without checkpoints, or a count that fits neither; a ``train_step`` update with
-            pipeline parallelism.
+            pipeline parallelism, or of a mixture-of-experts model with biases.
         MegatronCoreNotFoundError, CaseFileError (prompt too long or empty), TokenizerError (the
         tokenizer's vocabulary exceeds the model's ``vocab_size``), WorkloadError (see
         :func:`megatron_ext.harness.cases.validate_planned`), CheckpointError (``load``: missing, not a
@@ -466,6 +466,14 @@ def run_ab(
         raise WeightUpdateError(f"case '{case.name}': weight_updates kind train_step under pipeline parallelism needs "
                                 "megatron-core's pipeline schedule, which ab does not drive; use kind perturb or "
                                 "checkpoint with --pipeline-model-parallel-size > 1")
+    if (case.weight_updates is not None and case.weight_updates.kind == "train_step" and case.model.is_moe
+            and case.model.add_bias_linear):
+        # megatron-core's expert MLP adds its bias in place into a view of linear_fc2's output: autograd
+        # refuses it (RuntimeError in the training forward, 0.17-0.19); MoE models train without biases
+        raise WeightUpdateError(f"case '{case.name}': weight_updates kind train_step on a mixture-of-experts model "
+                                "with add_bias_linear: megatron-core's expert MLP cannot be trained with biases "
+                                "(autograd refuses its in-place bias add); set model.add_bias_linear: false or use "
+                                "kind perturb")
     forward = None
     if trainer_logprobs is not None:
         forward = (trainer_logprobs if isinstance(trainer_logprobs, TrainerForward)
