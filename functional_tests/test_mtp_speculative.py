@@ -85,3 +85,39 @@ def test_mtp_checkpoint_round_trip(tmp_path):
     assert report["model_features"] == ["mtp", "speculative:2"]
     assert report["baseline"]["audit"]["drafts"] == {"proposed": 90, "accepted": 3, "rejected": 87,
                                                      "rejected_across_block": 10, "accepted_across_block": 0}
+
+
+#: Tokens the trainer compares per run of the rounds case, measured (0.17.1's engine ends a
+#: request 2 tokens earlier than 0.18.2 / 0.19.2 do, caching on and off alike).
+TRAINER_TOKENS = {"0.17": 70, "0.18": 72, "0.19": 72}
+
+
+def mtp_rounds_case(drafts: int) -> str:
+    """``rl_weight_update`` (3 rounds, 2 train steps, suspend/resume) on ``mtp_speculative_tiny``'s
+    model with ``drafts`` draft tokens per step, as case YAML."""
+    from megatron_ext.harness.cases import dump_case, load_case
+
+    case, mtp = load_case("rl_weight_update"), load_case("mtp_speculative_tiny")
+    return dump_case(case.model_copy(update={
+        "name": "mtp_rounds", "model": mtp.model,
+        "inference": case.inference.model_copy(update={"num_speculative_tokens": drafts})}))
+
+
+@pytest.mark.slow
+def test_mtp_rounds_with_train_steps_and_trainer_logprobs(tmp_path):
+    """Speculative decoding across two training steps and a suspend/resume: bit-identical, no stale
+    hit, the speculative audit clean, and the trainer's log-probs equal the engine's bit for bit
+    (the in-flight request, generated under two weight versions, left out). 2 drafts on 0.19, 1
+    (one per MTP layer, what 0.17 / 0.18 run) elsewhere."""
+    drafts = 2 if SERIES == "0.19" else 1
+    case = tmp_path / "mtp_rounds.yaml"
+    case.write_text(mtp_rounds_case(drafts))
+    code, output, out = run_cli(tmp_path, "ab", "--case", str(case), "--trainer-logprobs")
+    report = json.loads(out.read_text())
+    assert (code, report["failures"], report["bit_identical"]) == (0, [], True), output
+    assert report["model_features"] == ["mtp", f"speculative:{drafts}"]
+    assert (report["speculative_violations"], report["stale_hits"], report["num_requests"]) == (0, 0, 13)
+    assert {name: (run["tokens"], run["bit_identical_tokens"], run["left_out_tokens"])
+            for name, run in report["trainer_logprobs"].items()} == {
+        name: (TRAINER_TOKENS[SERIES], TRAINER_TOKENS[SERIES], 24)
+        for name in ("A: caching off", "B: caching on, ref_zero", "B: caching on, lru")}
