@@ -16,7 +16,7 @@ TOKENIZER = default_tokenizer()
 def test_shipped_cases():
     assert shipped_cases() == [
         "chunked_prefill", "hybrid_chunked", "hybrid_prefix", "lru_pressure", "memory_pressure", "mla_tiny",
-        "moe_tiny", "mtp_speculative_tiny", "multi_turn_chat", "rl_rollouts", "rl_weight_update", "shared_system_prompt",
+        "moe_mla_mtp_tiny", "moe_tiny", "mtp_speculative_tiny", "multi_turn_chat", "rl_rollouts", "rl_weight_update", "shared_system_prompt",
     ]
 
 
@@ -97,6 +97,20 @@ def test_mtp_speculative_tiny_plans_shared_prefixes_and_features():
     assert [p.arrival_step for p in planned] == [0, 0, 0, 0, 3, 6]
     assert planned[4].prompt_tokens[:16] == planned[0].prompt_tokens[:16]  # 2 shared blocks
     assert planned[5].prompt_tokens[:24] == planned[2].prompt_tokens  # 3 shared blocks
+
+
+def test_moe_mla_mtp_tiny_combines_moe_mla_and_mtp_with_spelled_out_arrivals():
+    case = load_case("moe_mla_mtp_tiny")
+    assert case.model_features == ["moe", "routing_replay", "mla", "mtp", "speculative:2"]
+    assert (case.model.num_experts, case.model.moe_router_topk, case.model.moe_ffn_hidden_size,
+            case.model.mtp_num_layers, case.model.mtp_use_repeated_layer, case.inference.num_speculative_tokens,
+            case.inference.block_size_tokens, case.inference.enable_chunked_prefill) == (4, 2, 64, 1, True, 2, 64, False)
+    assert parse_case(dump_case(case)) == case
+    planned = plan_requests(case, TOKENIZER)
+    assert [len(p.prompt_tokens) for p in planned] == [147, 71, 147, 128, 144, 139]
+    assert [p.arrival_step for p in planned] == [0, 0, 1, 2, 4, 52]  # no samples: the same step kinds on and off
+    assert all(p.prompt_tokens[:128] == planned[3].prompt_tokens for p in planned if p.request_id != 1)  # 2 blocks
+    assert planned[2].prompt_tokens == planned[0].prompt_tokens
 
 
 def test_prompt_longer_than_max_sequence_length_is_refused():

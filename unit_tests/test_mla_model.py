@@ -48,3 +48,34 @@ def test_the_decode_flag_is_whether_the_latent_path_handed_a_value(monkeypatch):
     layer.flash_decode_and_prefill("q", "k", "v", *six)  # prefill / mixed: uncompressed values
     layer.flash_decode_and_prefill("q", "k", None, *six, False)  # a caller that passes it is left alone
     assert seen == [(six, {"is_decode_only": True}), (six, {"is_decode_only": False}), ((*six, False), {})]
+
+
+def test_moe_mla_mtp_tiny_drafts_without_latents_and_records_decoder_routers_only():
+    """``moe_mla_mtp_tiny``: the MTP layer's MLA keeps no latent cache (megatron-core's draft forward
+    passes no inference context) while the decoder's do, and routing replay records the 2 decoder
+    MoE routers, not the MTP layer's (whose draft forwards see other tokens)."""
+    from megatron_ext.harness.mla import mla_draft_attention_class
+    from megatron_ext.harness.routing import router_replays
+
+    with cpu_backend():
+        ensure_model_parallel()
+        model = build_model(load_case("moe_mla_mtp_tiny"))
+        base = mcore.import_module("megatron.core.transformer.multi_latent_attention").MLASelfAttention
+        decoder = [m for m in model.decoder.modules() if isinstance(m, base)]
+        draft = [m for m in model.mtp.modules() if isinstance(m, base)]
+        assert [type(m) for m in decoder] == [mla_self_attention_class()] * 2
+        assert [type(m) for m in draft] == [mla_draft_attention_class()]
+        assert [m.cache_mla_latents for m in decoder + draft] == [True, True, False]
+        assert (model.config.cache_mla_latents, draft[0].config.cache_mla_latents) == (True, False)
+        replays = router_replays(model)
+        in_mtp = [m.router_replay for m in model.mtp.modules() if getattr(m, "router_replay", None) is not None]
+        assert len(replays) == 2 and len(in_mtp) == 1 and in_mtp[0] not in replays
+        module = mcore.import_module("megatron.core.transformer.moe.router_replay")
+        assert module.RouterReplay.global_router_replay_instances == replays
+        # the engine's draft step: 3 requests' last hidden states, no inference context
+        with torch.inference_mode():
+            hidden, logits = model.compute_mtp_single_step(
+                hidden_states=torch.randn(3, 1, 64), next_token_ids=torch.tensor([[65, 66, 67]]),
+                position_ids=torch.tensor([[150, 151, 152]]), depth=0)  # 0.17 requires depth
+    assert tuple(hidden.shape) == (3, 1, 64) and logits.shape[:2] == (3, 1)
+    assert hasattr(draft[0], "linear_kv_up_proj")  # no absorption: the plain path keeps it

@@ -19,7 +19,7 @@ from .. import env, mcore
 from .cases.schema import Case
 from .dtypes import TORCH_DTYPES
 from .hybrid import build_hybrid_model, mamba_inference_state_config
-from .mla import mla_config_fields, mla_layer_spec
+from .mla import mla_config_fields, mla_layer_spec, mla_mtp_layer_spec
 from .routing import use_router_replays
 from .speculative import inference_options as speculative_options
 from .tokenizer import Tokenizer, default_tokenizer
@@ -185,9 +185,10 @@ def build_model(case: Case) -> Any:
             if spec.is_moe:
                 layer_options["num_experts"] = spec.num_experts
             layer_spec = layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, **layer_options)
-        if spec.mtp_num_layers:  # megatron-core's MTP block over the same layer spec
+        if spec.mtp_num_layers:  # megatron-core's MTP block over the same layer spec (MLA: no latent cache)
+            mtp_layer_spec = mla_mtp_layer_spec(spec) if spec.multi_latent_attention else layer_spec
             shared["mtp_block_spec"] = layer_specs.get_gpt_mtp_block_spec(
-                config, layer_spec, use_transformer_engine=False)
+                config, mtp_layer_spec, use_transformer_engine=False)
         model = gpt_model.GPTModel(transformer_layer_spec=layer_spec, **shared)
     use_router_replays(model)
     return model.to(TORCH_DTYPES[case.model.params_dtype]).eval()

@@ -18,6 +18,14 @@ Two things in megatron-core itself keep the local spec from running, in every re
   ``is_decode_only`` argument (``TypeError``; Megatron-LM issue #4901, PR #4902 merged upstream,
   not in 0.17.1, 0.18.2 or 0.19.2): the harness's layer (:func:`mla_self_attention_class`) passes it.
 
+An MTP block over MLA layers (speculative decoding) needs one more: megatron-core runs the MTP
+layer's draft forward (``compute_mtp_single_step`` -> ``forward_single_position``) with no
+inference context, but a layer built with ``cache_mla_latents`` asserts one (``get_query_key_value_tensors``)
+after ``prepare_for_absorption`` deleted its ``linear_kv_up_proj``; 0.19.2 fails at the first draft,
+on a GPU too (upstream main later refuses MLA with MTP inference, Megatron-LM PR #7033). The MTP
+block gets :func:`mla_draft_attention_class` (:func:`mla_mtp_layer_spec`): its attention keeps no
+latents, so the draft forward takes MLA's plain path.
+
 0.17 cannot run MLA with prefix caching: its ``flash_decode_and_prefill`` picks the decode kernel
 when every query of a step has one token (``max_seqlen_q == 1``), not when the step is decode-only,
 so a mixed step (a prefix-cached prompt recomputing one token beside decoding requests) sends
@@ -26,6 +34,7 @@ MLA's unabsorbed queries to FlashMLA. :func:`check_mla_run` refuses it by name.
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Optional
 
@@ -162,4 +171,37 @@ def mla_layer_spec(spec: Any) -> Any:
     attention = layer.submodules.self_attention
     attention.module = mla_self_attention_class()
     attention.submodules.core_attention = ReferenceMLACoreAttention
+    return layer
+
+
+@functools.cache
+def mla_draft_attention_class() -> type:
+    """:func:`mla_self_attention_class` built over a copy of its config with ``cache_mla_latents``
+    False: the attention of an MTP layer over MLA.
+
+    megatron-core's draft forward (``MultiTokenPredictionLayer.forward_single_position``) calls the
+    MTP layer without an inference context: the requests' last accepted positions are one sequence
+    with no KV cache. A latent-caching MLA module cannot run that (it drops ``linear_kv_up_proj`` at
+    its first forward and asserts a dynamic context), a non-caching one computes keys and values from
+    the step's own tokens and runs its core attention
+    (:class:`~megatron_ext.cpu_backend.mla.ReferenceMLACoreAttention` on the CPU). The config copy is
+    shallow and this module's alone; the decoder's layers keep ``cache_mla_latents``."""
+    base = mla_self_attention_class()
+
+    class MLADraftAttention(base):
+        """MLA attention of an MTP layer: no latent cache (see :func:`mla_draft_attention_class`)."""
+
+        def __init__(self, config, *args, **kwargs):
+            own = copy.copy(config)
+            own.cache_mla_latents = False
+            super().__init__(own, *args, **kwargs)
+
+    return MLADraftAttention
+
+
+def mla_mtp_layer_spec(spec: Any) -> Any:
+    """The layer spec of an MLA model's MTP block: :func:`mla_layer_spec` with
+    :func:`mla_draft_attention_class` as its attention module."""
+    layer = mla_layer_spec(spec)
+    layer.submodules.self_attention.module = mla_draft_attention_class()
     return layer

@@ -20,12 +20,22 @@ _MODULE = "megatron.core.transformer.moe.router_replay"
 
 
 def router_replays(model: Any) -> list[Any]:
-    """The ``RouterReplay`` objects of ``model``'s MoE routers, in layer order ([] for a model
-    without routing replay)."""
+    """The ``RouterReplay`` objects of ``model``'s decoder MoE routers, in layer order ([] for a
+    model without routing replay).
+
+    The routers of an MTP block (``model.mtp``, layers built over the same MoE layer spec) are left
+    out: the dynamic engine runs them only in its draft forwards, over other tokens than the step's
+    (one per request and depth), so their recordings cannot be stacked with the decoder's. With them
+    in megatron-core's list, 0.19.2's ``RoutingMetadata.get_routing_indices`` stacks the MTP router's
+    ``None`` (step 0) or a draft forward's ``[requests, topk]`` with the decoder's ``[tokens, topk]``
+    and raises (Megatron-LM PR #7404, open). Left out of the list, MTP routers are never set to
+    record or replay and route by their own top-k, as NeMo-RL's router replay treats them."""
+    mtp = getattr(model, "mtp", None)
+    in_mtp = set() if mtp is None else {id(module) for module in mtp.modules()}
     found = []
     for module in model.modules():
         replay = getattr(module, "router_replay", None)
-        if replay is not None and replay not in found:
+        if replay is not None and replay not in found and id(module) not in in_mtp:
             found.append(replay)
     return found
 
@@ -35,8 +45,9 @@ def use_router_replays(model: Any) -> None:
 
     The inference controller stacks the recordings of every instance in the class-level list, so
     a second model built in the same process (a test, a trainer copy) would add its layers to the
-    first model's routing (or a shape error). The harness sets that list to ``model``'s routers
-    before each run; a model without routing replay leaves it alone.
+    first model's routing (or a shape error). The harness sets that list to ``model``'s decoder
+    routers (:func:`router_replays`: no MTP routers) before each run; a model without routing replay
+    leaves it alone.
     """
     replays = router_replays(model)
     if replays:
