@@ -70,7 +70,7 @@ def test_in_flight_across_an_update_left_out_and_counted_the_rest_matched_in_fp3
     result = run_ab(load_case(str(UPDATE_TINY)), trainer_logprobs="matched")
     assert result.failures() == []
     figures = {"tokens": 7, "bit_identical_tokens": 7, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "k3_kl": 0.0,
-               "left_out_requests": 2, "left_out_tokens": 9}
+               "left_out_requests": 2, "left_out_tokens": 9, "routing_replayed": False}
     assert result.as_json()["trainer_logprobs"] == {run: figures for run in RUNS[:2]}
     assert result.as_json()["trainer_logprobs_detail"]["left_out"] == {run: [0, 1] for run in RUNS[:2]}
     assert [r.label for r in result.trainer_logprobs.runs[0].requests] == ["r2.s0", "r3.s0"]
