@@ -224,13 +224,11 @@ def cmd_save_checkpoint(args: argparse.Namespace) -> int:
     from .harness.checkpoint_args import megatron_lm_args
     from .harness.engine import build_model, ensure_model_parallel, padded_vocab_size
     from .harness.launch import check_layout
-    from .harness.mla import check_mla_checkpoint
     from .harness.triton_env import ensure_hybrid_cpu_environment
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     check_layout(tp, pp, "save-checkpoint")
     case = load_case(args.case)
-    check_mla_checkpoint(case)
     ensure_hybrid_cpu_environment(case, "cpu", getattr(args, "program", False))
     if args.seed is not None:
         case = case.model_copy(update={"model": case.model.model_copy(update={"seed": args.seed})})

@@ -99,7 +99,10 @@ def _args(**changes) -> argparse.Namespace:
      "moe_shared_expert_intermediate_size=128 (shared experts)"),
     ({"num_experts": 64, "moe_layer_freq": 2},
      "moe_layer_freq=2 (experts in some layers only; the harness puts them in every layer)"),
-    ({"multi_latent_attention": True}, "multi_latent_attention=True (multi-latent attention)"),
+    ({"multi_latent_attention": True}, "multi_latent_attention=True with rope_type=None (Megatron-LM defaults MLA "
+                                       "to yarn; the harness builds MLA with rope_type 'rope' only)"),
+    ({"multi_latent_attention": True, "rope_type": "yarn"},
+     "multi_latent_attention=True with rope_type='yarn' (the harness builds MLA with rope_type 'rope' only)"),
     ({"spec": ["my.module", "layer_spec"]}, "spec=['my.module', 'layer_spec'] (a custom layer spec module)"),
     ({"apply_layernorm_1p": True}, "apply_layernorm_1p=True (zero-centered (1p) layer norm)"),
     ({"squared_relu": True}, "squared_relu=True (squared-ReLU activation)"),
@@ -126,11 +129,30 @@ def test_mtp_layers_round_trip_through_the_args():
     assert model_spec_from_args(_args(mtp_num_layers=0), "ckpt", LLAMA).mtp_num_layers is None
 
 
+def test_mla_args_round_trip_with_megatron_lm_names():
+    spec = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, normalization="RMSNorm",
+                     position_embedding_type="rope", qk_layernorm=True, multi_latent_attention=True,
+                     q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
+    args = megatron_lm_args(spec, spec.vocab_size)
+    assert {k: getattr(args, k) for k in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                          "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "cache_mla_latents")} == {
+        "multi_latent_attention": True, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_head_dim": 16,
+        "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "rope_type": "rope", "cache_mla_latents": True}
+    assert model_spec_from_args(args, "ckpt", spec) == spec
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        delattr(args, name)  # Megatron-LM's defaults: no query compression, 32, 128, 64, 128
+    args.qk_layernorm = False
+    built = model_spec_from_args(args, "ckpt", spec)
+    assert (built.q_lora_rank, built.kv_lora_rank, built.qk_head_dim, built.qk_pos_emb_head_dim, built.v_head_dim) == (
+        None, 32, 128, 64, 128)
+    assert vars(megatron_lm_args(LLAMA, 512))["multi_latent_attention"] is False
+
+
 def test_several_refusals_are_all_named():
     with pytest.raises(CheckpointError, match=r"cannot build: moe_grouped_gemm=True \(grouped-GEMM experts "
                                               r"\(the harness builds SequentialMLP experts\)\); "
-                                              r"multi_latent_attention=True \(multi-latent attention\)$"):
-        model_spec_from_args(_args(num_experts=8, moe_grouped_gemm=True, multi_latent_attention=True), "--load /ckpt")
+                                              r"window_size=\(4096, 0\) \(sliding-window attention\)$"):
+        model_spec_from_args(_args(num_experts=8, moe_grouped_gemm=True, window_size=(4096, 0)), "--load /ckpt")
 
 
 def test_mixture_of_experts_args_build_the_moe_model():

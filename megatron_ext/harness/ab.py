@@ -455,7 +455,7 @@ def run_ab(
         built_for = _case_for_checkpoint(case, load)
         case, from_args = built_for, built_for is not case
     check_mla_run(case, mcore.installed_version(), tensor_model_parallel_size, pipeline_model_parallel_size,
-                  load, trainer_logprobs)
+                  trainer_logprobs)
     tokenizer = tokenizer or default_tokenizer()
     check_vocab_fits(tokenizer, case.model.vocab_size, f"case {case.name}")
     check_top_n_fits(case)

@@ -5,8 +5,8 @@ checkpoint's common state, next to ``iteration`` and ``checkpoint_version``; its
 ``--use-checkpoint-args`` builds the model from them. :func:`megatron_lm_args` writes the
 architecture arguments of a :class:`~megatron_ext.harness.cases.ModelSpec` under the same names,
 and :func:`model_spec_from_args` maps a checkpoint's arguments back to a ``ModelSpec``, refusing
-by name every argument whose value the harness cannot build (mixture of experts, multi-latent
-attention, ...). Runtime and fusion flags in the arguments (``apply_rope_fusion``,
+by name every argument whose value the harness cannot build (grouped-GEMM experts, multi-latent
+attention with a RoPE type other than ``rope``, ...). Runtime and fusion flags in the arguments (``apply_rope_fusion``,
 ``bias_swiglu_fusion``, ``masked_softmax_fusion``, ...) are never read: they describe the
 training machine, not the model.
 """
@@ -35,7 +35,6 @@ UNSUPPORTED_ARGS = {
     "moe_router_pre_softmax": (False, "softmax before top-k routing"),
     "moe_router_num_groups": (None, "group-limited routing"),
     "moe_router_enable_expert_bias": (False, "expert bias in the router"),
-    "multi_latent_attention": (False, "multi-latent attention"),
     "spec": (None, "a custom layer spec module"),
     "heterogeneous_layers_config_path": (None, "heterogeneous layers"),
     "experimental_attention_variant": (None, "an experimental attention variant"),
@@ -115,7 +114,7 @@ def megatron_lm_args(spec: ModelSpec, padded_vocab_size: int, tensor_model_paral
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         **_moe_args(spec),
-        multi_latent_attention=False,
+        **_mla_args(spec),
         mtp_num_layers=spec.mtp_num_layers,
         mtp_use_repeated_layer=spec.mtp_use_repeated_layer,
         spec=None,
@@ -156,6 +155,30 @@ def _moe_fields(args: Any) -> dict[str, Any]:
             "moe_enable_routing_replay": bool(getattr(args, "moe_enable_routing_replay", False))}
 
 
+#: Megatron-LM's MLA sizes (``--q-lora-rank`` ...) with its defaults where the args lack them.
+MLA_ARGS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64,
+            "v_head_dim": 128}
+
+
+def _mla_args(spec: ModelSpec) -> dict[str, Any]:
+    """A multi-latent attention model's Megatron-LM arguments (``multi_latent_attention`` False for
+    any other model): the sizes, ``rope_type`` ``rope`` (Megatron-LM's MLA default is yarn) and
+    ``cache_mla_latents`` (how the harness's engine runs it; no tensor depends on it)."""
+    if not spec.multi_latent_attention:
+        return {"multi_latent_attention": False}
+    return {"multi_latent_attention": True, **{name: getattr(spec, name) for name in MLA_ARGS},
+            "rope_type": "rope", "cache_mla_latents": True}
+
+
+def _mla_fields(args: Any) -> dict[str, Any]:
+    """The ``ModelSpec`` fields of a multi-latent attention model's args (none for another model)."""
+    if not getattr(args, "multi_latent_attention", False):
+        return {}
+    sizes = {name: getattr(args, name, None) for name in MLA_ARGS}
+    return {"multi_latent_attention": True,
+            **{name: default if sizes[name] is None else sizes[name] for name, default in MLA_ARGS.items()}}
+
+
 def _hybrid_pattern(args: Any) -> tuple[Optional[str], list[str]]:
     """``(layer pattern or None, refusals)`` from ``hybrid_layer_pattern`` (or the older
     ``hybrid_override_pattern``). Pipeline-stage separators (``|``) are dropped: they lay the
@@ -186,6 +209,11 @@ def _refusals(args: Any) -> list[str]:
         if value == required or (required is None and value in (0, False)):
             continue
         refused.append(f"{name}={value!r} ({what})")
+    rope_type = getattr(args, "rope_type", None)
+    if getattr(args, "multi_latent_attention", False) and rope_type != "rope":
+        refused.append(f"multi_latent_attention=True with rope_type={rope_type!r} ("
+                       f"{'Megatron-LM defaults MLA to yarn; ' if rope_type is None else ''}the harness builds MLA "
+                       "with rope_type 'rope' only)")
     freq = getattr(args, "moe_layer_freq", 1)
     if getattr(args, "num_experts", None) and freq != 1:
         refused.append(f"moe_layer_freq={freq!r} (experts in some layers only; the harness puts them in every layer)")
@@ -313,6 +341,7 @@ def model_spec_from_args(args: Any, where: str, base: Optional[ModelSpec] = None
     )
     fields.update(_mamba_fields(args, _hybrid_pattern(args)[0]))
     fields.update(_moe_fields(args))
+    fields.update(_mla_fields(args))
     try:
         return ModelSpec.model_validate(fields)
     except ValidationError as exc:

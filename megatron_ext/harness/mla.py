@@ -53,21 +53,29 @@ class MLAUnsupportedError(MegatronExtError, ValueError):
 
 
 def check_mla_run(case: Any, version: str, tensor_model_parallel_size: int = 1,
-                  pipeline_model_parallel_size: int = 1, load: Any = None, trainer_logprobs: Any = None) -> None:
+                  pipeline_model_parallel_size: int = 1, trainer_logprobs: Any = None) -> None:
     """Refuse, before anything is built, an MLA case this release or command cannot run.
+
+    A checkpoint (``ab --load``) is fine: it is loaded before the engine's first forward, while the
+    model still has megatron-core's own parameter names (``prepare_for_absorption`` renames and
+    splits ``linear_kv_up_proj`` at that forward).
 
     Args:
         case: the :class:`~megatron_ext.harness.cases.Case`; nothing is checked unless
             ``case.model.multi_latent_attention``.
         version: the installed megatron-core release.
-        tensor_model_parallel_size, pipeline_model_parallel_size, load, trainer_logprobs: what
-            ``ab`` was asked for.
+        tensor_model_parallel_size, pipeline_model_parallel_size, trainer_logprobs: what ``ab``
+            was asked for.
 
     Raises:
-        MLAUnsupportedError: a release outside :data:`MLA_SERIES`, several ranks, a checkpoint
-            (``--load``), ``--trainer-logprobs`` or ``weight_updates`` (megatron-core's
-            ``prepare_for_absorption`` deletes ``linear_kv_up_proj`` at the first inference
-            forward, so the training forward and weight updates of the same model are not supported).
+        MLAUnsupportedError: a release outside :data:`MLA_SERIES`, several ranks,
+            ``--trainer-logprobs`` or ``weight_updates``: after the first inference forward
+            megatron-core's ``prepare_for_absorption`` has deleted ``linear_kv_up_proj`` (a training
+            forward asserts ``cache_mla_latents conflicts with training``) and keeps the KV
+            up-projection twice (``up_k_weight`` / ``up_v_weight`` views for decode-only steps,
+            ``linear_kv_up_proj_linear`` for prefill steps; with Transformer Engine a copy), so a
+            weight update can leave one of them on the old weights
+            (``scripts/probes/mla_weight_update.py``).
     """
     if not getattr(case.model, "multi_latent_attention", False):
         return
@@ -80,24 +88,11 @@ def check_mla_run(case: Any, version: str, tensor_model_parallel_size: int = 1,
     unsupported = [what for what, asked in (
         (f"tensor/pipeline parallelism (TP={tensor_model_parallel_size} PP={pipeline_model_parallel_size})",
          tensor_model_parallel_size > 1 or pipeline_model_parallel_size > 1),
-        ("a checkpoint (--load)", load is not None),
         ("--trainer-logprobs", trainer_logprobs is not None),
         ("weight_updates", case.weight_updates is not None)) if asked]
     if unsupported:
-        raise MLAUnsupportedError(f"case '{case.name}': multi-latent attention models run single-rank with seeded "
-                                  f"weights only; drop {', '.join(unsupported)}")
-
-
-def check_mla_checkpoint(case: Any) -> None:
-    """Refuse ``save-checkpoint`` of an MLA case: its Megatron-LM arguments (``checkpoint_args``)
-    describe GPT attention only, so the checkpoint could not be loaded as the model it holds.
-
-    Raises:
-        MLAUnsupportedError: ``case.model.multi_latent_attention`` is set.
-    """
-    if getattr(case.model, "multi_latent_attention", False):
-        raise MLAUnsupportedError(f"save-checkpoint: case '{case.name}' is a multi-latent attention model, which "
-                                  "megatron-ext runs with seeded weights only (no checkpoints of it yet)")
+        raise MLAUnsupportedError(f"case '{case.name}': multi-latent attention models run single-rank without weight "
+                                  f"updates or a training forward; drop {', '.join(unsupported)}")
 
 
 #: Why an MLA case's outputs can differ with caching on vs off without any KV-cache fault.
