@@ -91,7 +91,7 @@ def test_mla_options_it_cannot_run_exit_2_before_building(monkeypatch, capsys):
     assert cli.main(["ab", "--case", "mla_tiny", "--no-progress", "--trainer-logprobs"]) == 2
     assert one_error_line(capsys) == "megatron-ext: error: " + (REFUSAL if not RUNS_MLA else (
         "case 'mla_tiny': multi-latent attention models run single-rank without weight updates or a training "
-        "forward; drop --trainer-logprobs"))
+        "forward (megatron-core absorbs the KV up-projection once: fault M1, docs/faults.md); drop --trainer-logprobs"))
 
 
 def test_check_mla_run_names_every_option_it_cannot_run():
@@ -102,7 +102,7 @@ def test_check_mla_run_names_every_option_it_cannot_run():
         check_mla_run(with_updates, "0.19.2", 2, 1, trainer_logprobs="matched")
     assert str(error.value) == (
         "case 'mla_tiny': multi-latent attention models run single-rank without weight updates or a training "
-        "forward; drop tensor/pipeline parallelism (TP=2 PP=1), --trainer-logprobs, weight_updates")
+        "forward (megatron-core absorbs the KV up-projection once: fault M1, docs/faults.md); drop tensor/pipeline parallelism (TP=2 PP=1), --trainer-logprobs, weight_updates")
     with pytest.raises(MLAUnsupportedError, match="does not run on megatron-core 0.17.1"):
         check_mla_run(case, "0.17.1")
     check_mla_run(case, "0.18.2")  # a plain run on 0.18 / 0.19 passes

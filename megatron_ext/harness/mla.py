@@ -92,7 +92,8 @@ def check_mla_run(case: Any, version: str, tensor_model_parallel_size: int = 1,
         ("weight_updates", case.weight_updates is not None)) if asked]
     if unsupported:
         raise MLAUnsupportedError(f"case '{case.name}': multi-latent attention models run single-rank without weight "
-                                  f"updates or a training forward; drop {', '.join(unsupported)}")
+                                  "updates or a training forward (megatron-core absorbs the KV up-projection once: "
+                                  f"fault M1, docs/faults.md); drop {', '.join(unsupported)}")
 
 
 #: Why an MLA case's outputs can differ with caching on vs off without any KV-cache fault.
