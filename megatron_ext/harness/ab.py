@@ -22,7 +22,7 @@ from ..patching import fault_label
 from .audits import FAULT_OF_KIND
 from .speculative import check_supported as check_speculative
 from .cases.planning import PlannedRequest, check_top_n_fits, plan_requests, validate_planned
-from .cases.schema import Case
+from .cases.schema import Case, CaseFileError
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint, resolve_checkpoint
 from .checkpoint_args import check_case_model_matches_args, checkpoint_model_spec
 from .compare import RequestDiff, RequestOutput, compare_runs, routing_miscounted, top_n_miscounted
@@ -384,6 +384,29 @@ def _combined_checks(matmuls: tuple[bool, str], mamba: bool, mamba_dtypes: Any) 
     return matmuls[0] and ok, f"{matmuls[1]}; {detail}"
 
 
+def check_moe_biases(case: Case, tensor_model_parallel_size: int = 1) -> None:
+    """Refuse what megatron-core cannot do with the expert biases of a mixture-of-experts model
+    (``add_bias_linear``; MoE models are trained without them).
+
+    Raises:
+        WeightUpdateError: a ``train_step`` weight update: the expert MLP adds its bias in place into
+            a view of ``linear_fc2``'s output, which autograd refuses (``RuntimeError``, 0.17-0.19).
+        CaseFileError: tensor parallelism: ``TransformerConfig`` asserts expert biases need expert tensor
+            parallel size 1, which defaults to the TP size.
+    """
+    if not (case.model.is_moe and case.model.add_bias_linear):
+        return
+    if case.weight_updates is not None and case.weight_updates.kind == "train_step":
+        raise WeightUpdateError(f"case '{case.name}': weight_updates kind train_step on a mixture-of-experts model "
+                                "with add_bias_linear: megatron-core's expert MLP cannot be trained with biases "
+                                "(autograd refuses its in-place bias add); set model.add_bias_linear: false or use "
+                                "kind perturb")
+    if tensor_model_parallel_size > 1:
+        raise CaseFileError(f"case '{case.name}': a mixture-of-experts model with add_bias_linear under tensor "
+                            f"parallelism (TP={tensor_model_parallel_size}): megatron-core supports expert biases "
+                            "with expert tensor parallel size 1 only; set model.add_bias_linear: false")
+
+
 def run_ab(
     case: Case,
     patched: bool = True,
@@ -436,7 +459,8 @@ def run_ab(
     Raises:
         WeightUpdateError: ``update_from`` without a ``checkpoint`` update, a ``checkpoint`` update
             without checkpoints, or a count that fits neither; a ``train_step`` update with
-            pipeline parallelism, or of a mixture-of-experts model with biases.
+            pipeline parallelism, or of a mixture-of-experts model with biases
+            (:func:`check_moe_biases`; CaseFileError for them under TP > 1).
         MegatronCoreNotFoundError, CaseFileError (prompt too long or empty), TokenizerError (the
         tokenizer's vocabulary exceeds the model's ``vocab_size``), WorkloadError (see
         :func:`megatron_ext.harness.cases.validate_planned`), CheckpointError (``load``: missing, not a
@@ -466,14 +490,7 @@ def run_ab(
         raise WeightUpdateError(f"case '{case.name}': weight_updates kind train_step under pipeline parallelism needs "
                                 "megatron-core's pipeline schedule, which ab does not drive; use kind perturb or "
                                 "checkpoint with --pipeline-model-parallel-size > 1")
-    if (case.weight_updates is not None and case.weight_updates.kind == "train_step" and case.model.is_moe
-            and case.model.add_bias_linear):
-        # megatron-core's expert MLP adds its bias in place into a view of linear_fc2's output: autograd
-        # refuses it (RuntimeError in the training forward, 0.17-0.19); MoE models train without biases
-        raise WeightUpdateError(f"case '{case.name}': weight_updates kind train_step on a mixture-of-experts model "
-                                "with add_bias_linear: megatron-core's expert MLP cannot be trained with biases "
-                                "(autograd refuses its in-place bias add); set model.add_bias_linear: false or use "
-                                "kind perturb")
+    check_moe_biases(case, tensor_model_parallel_size)
     forward = None
     if trainer_logprobs is not None:
         forward = (trainer_logprobs if isinstance(trainer_logprobs, TrainerForward)
