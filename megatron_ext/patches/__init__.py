@@ -17,6 +17,7 @@ from .mamba_slot_exhaustion import MambaSlotExhaustionPatch
 from .mamba_snapshot_offsets import MambaSnapshotOffsetsPatch
 from .matched_block_writes import MatchedBlockWritesPatch
 from .release_refcount import ReleaseRefcountPatch
+from .routing_evicted_requests import RoutingEvictedRequestsPatch
 from .routing_finished_blocks import RoutingFinishedBlocksPatch
 from .routing_per_block import RoutingPerBlockPatch
 from .weight_update_invalidation import WeightUpdateInvalidationPatch
@@ -35,6 +36,7 @@ ALL_PATCHES: tuple[Patch, ...] = (
     DeregisterOwnHashPatch(),
     RoutingPerBlockPatch(),
     RoutingFinishedBlocksPatch(),
+    RoutingEvictedRequestsPatch(),
     MambaChunkSizePatch(),
     MambaSnapshotOffsetsPatch(),
     MambaSlotExhaustionPatch(),
