@@ -46,14 +46,14 @@ EXPECTED_STATUS = {
              "mamba-conv-carry": "applicable",
              "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable",
              "mamba-decode-no-dummy": "applicable", "routing-per-block": "applicable",
-             "routing-finished-blocks": "not needed"},
+             "routing-finished-blocks": "not needed", "routing-evicted-requests": "not needed"},
     "0.18": {**_FAULTS_017_018, "mamba-chunk-size": "not needed", "mamba-snapshot-offsets": "applicable",
              "mamba-slot-exhaustion": "applicable",
              "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "applicable",
              "mamba-conv-carry": "applicable",
              "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable",
              "mamba-decode-no-dummy": "applicable", "routing-per-block": "not needed",
-             "routing-finished-blocks": "applicable"},
+             "routing-finished-blocks": "applicable", "routing-evicted-requests": "applicable"},
     "0.19": {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
@@ -72,6 +72,7 @@ EXPECTED_STATUS = {
         "mamba-decode-no-dummy": "applicable",
         "routing-per-block": "not needed",
         "routing-finished-blocks": "applicable",
+        "routing-evicted-requests": "applicable",
     },
 }
 TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL)
@@ -388,6 +389,7 @@ FAULT_IDS = {
     "mamba-match-in-chunk": "H5", "mamba-slot-exhaustion": "H6", "mamba-conv-carry": "H7",
     "mamba-continuation-skip": "H8", "mamba-aligned-chunks": "H9", "mamba-decode-no-dummy": "H10",
     "routing-per-block": "R1", "routing-finished-blocks": "R2",
+    "routing-evicted-requests": "R3",
 }
 
 
@@ -446,9 +448,11 @@ def test_environment_variable_applies_the_engine_patch_once_the_engine_is_import
             + "; print(getattr(E.__dict__['post_process_requests'], '_self_megatron_ext_patch', None))")
     done = run_python(code, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["weight-update-invalidation", "top-n-prefill-chunks"]
+    # routing-evicted-requests (0.18, 0.19) goes on post_process_requests after top-n-prefill-chunks
+    outermost = "top-n-prefill-chunks" if mcore_series == "0.17" else "routing-evicted-requests"
+    assert done.stdout.split() == ["weight-update-invalidation", outermost]
     lines = [line for line in done.stderr.splitlines() if line.startswith("megatron-ext: ")]
-    waiting = ("top-n-prefill-chunks", "routing-per-block", "mamba-aligned-chunks")
+    waiting = ("top-n-prefill-chunks", "routing-per-block", "routing-evicted-requests", "mamba-aligned-chunks")
     assert len(lines) == len(ALL_PATCHES) + len(waiting)  # each patch once, the waiting ones twice
     for name in waiting:
         decided = EXPECTED_STATUS[mcore_series][name].replace("applicable", "applied")

@@ -6,7 +6,7 @@ are applied the moment megatron-core's dynamic inference context is imported (at
 imported already). That module imports the KV block allocator module itself, so both targets exist
 by then. wrapt, torch and the patches load inside the hook, with megatron-core. The
 engine module usually imports the context half-way through its own import: the patches on the
-engine (``top-n-prefill-chunks``, ``mamba-aligned-chunks``) then wait, and a second hook applies it when the engine module
+engine (``top-n-prefill-chunks``, ``routing-evicted-requests``, ``mamba-aligned-chunks``) then wait, and a second hook applies it when the engine module
 is imported (likewise ``mamba-conv-carry`` and ``mamba-decode-no-dummy`` and the Mamba mixer module,
 which imports the decode kernel's module); each patch's line is
 printed again only when its state changed.

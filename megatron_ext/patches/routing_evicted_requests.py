@@ -80,6 +80,7 @@ class RoutingEvictedRequestsPatch(Patch):
     name = "routing-evicted-requests"
     fault = "R3"
     source_patched_targets = (POST_PROCESS,)
+    waits_for_import = (POST_PROCESS,)  # the engine module imports the context half-way through
     fault_evidence = ("no megatron-core release up to 0.19.2 rebuilds the routing of a request "
                       "whose record holds more than one request")
 
