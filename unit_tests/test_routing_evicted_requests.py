@@ -70,6 +70,14 @@ def _routing(usable_blocks: int, prefix_caching: bool) -> tuple[dict[int, list |
     return routing, {i for i, r in records.items() if len(r.requests) > 1}
 
 
+#: 0.17 builds routing step by step and merge() joins both entries' routing: an evicted request
+#: gets the rows of the tokens before its eviction twice (95 rows, not 63). Not patched (yet).
+DUPLICATED_ON_017 = pytest.mark.xfail(
+    mcore.release_series(mcore.installed_version()) == "0.17", strict=True,
+    reason="0.17: an evicted request's routing repeats the rows before its eviction (unpatched)")
+
+
+@DUPLICATED_ON_017
 @pytest.mark.usefixtures("runtime_patches")
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["caching-off", "caching-on"])
 def test_evicted_requests_return_the_routing_of_every_token(prefix_caching):
