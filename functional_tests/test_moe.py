@@ -24,10 +24,10 @@ from megatron_ext.harness.checkpoint import read_common_state
 #: What the verdict says with the release's routing fix left out (MEGATRON_EXT_SKIP).
 UNFIXED = {
     "0.17": ("routing-per-block", [
-        "fault R1 (routing-per-block): run ref_zero: 4 requests whose routing is not one row per token "
-        "but the last: r0.s1, r0.s2, r1.s0, r2.s0",
-        "fault R1 (routing-per-block): run lru: 5 requests whose routing is not one row per token "
-        "but the last: r0.s1, r0.s2, r1.s0, r2.s0, r3.s0"]),
+        "fault R1 (routing-per-block): run ref_zero: 4 requests whose routing has fewer rows than "
+        "tokens but the last: r0.s1, r0.s2, r1.s0, r2.s0",
+        "fault R1 (routing-per-block): run lru: 5 requests whose routing has fewer rows than "
+        "tokens but the last: r0.s1, r0.s2, r1.s0, r2.s0, r3.s0"]),
     "0.18": ("routing-finished-blocks", [
         "fault R2 (routing-finished-blocks): 2 finished MoE requests given no routing; first: step 5: "
         "request 0: megatron-core reconstructed no routing from blocks [13, 14, 12] (37 tokens expected)"]),

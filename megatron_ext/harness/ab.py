@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from .. import mcore
 from ..api import apply, revert
 from ..errors import DeviceUnavailableError
-from ..patches import RoutingPerBlockPatch, TopNPrefillChunksPatch
+from ..patches import RoutingEvictedRequestsPatch, RoutingPerBlockPatch, TopNPrefillChunksPatch
 from ..patching import fault_label
 from .audits import FAULT_OF_KIND
 from .speculative import check_supported as check_speculative
@@ -25,7 +25,7 @@ from .cases.planning import PlannedRequest, check_top_n_fits, plan_requests, val
 from .cases.schema import Case, CaseFileError
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint, resolve_checkpoint
 from .checkpoint_args import check_case_model_matches_args, checkpoint_model_spec
-from .compare import RequestDiff, RequestOutput, compare_runs, routing_miscounted, top_n_miscounted
+from .compare import RequestDiff, RequestOutput, compare_runs, routing_absent, routing_miscounted, top_n_miscounted
 from .distributed import gather_ranks, is_multi_rank, rank_failed, rank_failures
 from .rounds import left_out, update_mismatches
 from .engine import build_engine, build_model, dist_timeout, ensure_model_parallel
@@ -128,6 +128,23 @@ class ABResult:
             return rank_failures(self.ranks)
         return self.local_failures()
 
+    def _routing_count_failures(self, run: RunRecord) -> list[str]:
+        """What a run's per-request routing says on its own (caught where A and B are equally
+        wrong): too few rows (fault R1), too many (0.17, an evicted request), none (fault R3)."""
+        if "routing_replay" not in self.case.model.features:
+            return []
+        name, problems = run.eviction_policy or "caching off", []
+        short, long = routing_miscounted(run.outputs)
+        # a request the audit saw rebuilt to nothing is fault R2's, named by _routing_failures
+        absent = [label for rid, label in routing_absent(run.outputs) if rid not in run.audit.routing_unrebuilt]
+        for labels, label, what in (
+                (short, fault_label(RoutingPerBlockPatch), "whose routing has fewer rows than tokens but the last"),
+                (long, "evicted requests (0.17, no patch)", "whose routing repeats rows (more than tokens but the last)"),
+                (absent, fault_label(RoutingEvictedRequestsPatch), "that generated tokens but got no routing")):
+            if labels:
+                problems.append(f"{label}: run {name}: {len(labels)} requests {what}: {', '.join(labels[:6])}")
+        return problems
+
     def _routing_failures(self) -> list[str]:
         """The routing-replay audit's findings: requests given no routing (fault R2), then replays
         of stale or wrong expert IDs (no patch), each with its first example."""
@@ -178,11 +195,7 @@ class ABResult:
         for run in self.runs:
             if run.error:
                 problems.append(f"megatron-core raised in run {run.eviction_policy or 'caching off'} at {run.error}")
-            short = routing_miscounted(run.outputs)
-            if short:
-                problems.append(f"{fault_label(RoutingPerBlockPatch)}: run {run.eviction_policy or 'caching off'}: "
-                                f"{len(short)} requests whose routing is not one row per token but the last: "
-                                f"{', '.join(short[:6])}")
+            problems.extend(self._routing_count_failures(run))
             miscounted = top_n_miscounted(run.outputs)  # caught even where A and B are equally wrong
             if miscounted:
                 problems.append(f"{fault_label(TopNPrefillChunksPatch)}: run {run.eviction_policy or 'caching off'}: "

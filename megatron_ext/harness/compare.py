@@ -144,12 +144,21 @@ def top_n_miscounted(outputs: dict[int, RequestOutput]) -> list[str]:
             if o.top_n_logprobs is not None and o.tokens and len(o.top_n_logprobs) != len(o.tokens)]
 
 
-def routing_miscounted(outputs: dict[int, RequestOutput]) -> list[str]:
+def routing_miscounted(outputs: dict[int, RequestOutput]) -> tuple[list[str], list[str]]:
     """Labels of the requests of one run whose routing (routing replay) is not one row per token
-    but the last (``prompt + generated - 1``; fault R1: a prefix-cached request's matched prefix
-    left out); requests without routing or without tokens are not counted."""
-    return [o.label for o in outputs.values()
-            if o.routing is not None and o.tokens and len(o.routing) != o.prompt_length + len(o.tokens) - 1]
+    but the last (``prompt + generated - 1``): ``(short, long)``. Short: fault R1 (a prefix-cached
+    request's matched prefix left out); long: 0.17's merge of an evicted and re-run request repeats
+    the rows before its eviction. Requests without routing or without tokens are not counted."""
+    counted = [(o.label, len(o.routing) - (o.prompt_length + len(o.tokens) - 1)) for o in outputs.values()
+               if o.routing is not None and o.tokens]
+    return [label for label, extra in counted if extra < 0], [label for label, extra in counted if extra > 0]
+
+
+def routing_absent(outputs: dict[int, RequestOutput]) -> list[tuple[int, str]]:
+    """``(request ID, label)`` of the requests of one run of a routing-replay model that generated
+    tokens but came back without routing (fault R3 for a request the engine evicted and re-ran;
+    R2 when its blocks' routing was dropped, which the routing-replay audit sees)."""
+    return [(rid, o.label) for rid, o in outputs.items() if o.routing is None and o.tokens]
 
 
 def _same_top_n(a: list[list[tuple[str, float]]], b: list[list[tuple[str, float]]], i: int) -> bool:

@@ -58,6 +58,7 @@ class AuditSummary:
         routing_reconstructions: ``reconstruct_routing_from_blocks`` calls checked.
         block_routing_max_entries: the most blocks ``block_routing`` held after a step (0: no
             routing replay, or a release without per-block routing).
+        routing_unrebuilt: request IDs megatron-core rebuilt no routing for (fault R2).
         steps_checked: steps whose ref counts were checked.
         speculative_violations: speculative decoding: hash-registered blocks holding drafts
             (``draft_block``) and rollbacks that left the bookkeeping broken (``spec_rewind``).
@@ -80,6 +81,7 @@ class AuditSummary:
     routing_tokens_checked: int = 0
     routing_reconstructions: int = 0
     block_routing_max_entries: int = 0
+    routing_unrebuilt: tuple[int, ...] = ()
     steps_checked: int = 0
     examples: dict[str, list[str]] = field(default_factory=dict)
     speculative_violations: int = 0
@@ -322,6 +324,7 @@ class ContextAudit:
             routing_tokens_checked=self.routing.tokens_checked,
             routing_reconstructions=self.routing.reconstructions,
             block_routing_max_entries=self.routing.max_entries,
+            routing_unrebuilt=tuple(sorted(self.routing.unrebuilt)),
             steps_checked=self.steps_checked,
             examples={k: lines[:3] for k, lines in first.items()},
             speculative_violations=self.count("draft_block", "spec_rewind"),

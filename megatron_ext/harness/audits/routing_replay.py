@@ -71,6 +71,7 @@ class RoutingReplayAudit:
         reconstructions: ``reconstruct_routing_from_blocks`` calls checked.
         unidentified: reconstructions whose blocks matched no (or several) live block tables.
         max_entries: the largest ``len(block_routing)`` seen after a step.
+        unrebuilt: request IDs whose reconstruction gave no routing (fault R2).
     """
 
     log: AuditLog
@@ -84,6 +85,7 @@ class RoutingReplayAudit:
     reconstructions: int = 0
     unidentified: int = 0
     max_entries: int = 0
+    unrebuilt: set[int] = field(default_factory=set)
 
     # -- feeding ----------------------------------------------------------------------------------
 
@@ -153,6 +155,7 @@ class RoutingReplayAudit:
         held = dict(enumerate(life for _, life in self.tables.pop(request_id)))  # it finished
         self.reconstructions += 1
         if result is None:
+            self.unrebuilt.add(request_id)
             self._add(block_ids[0] if block_ids else -1, request_id,
                       f"request {request_id}: megatron-core reconstructed no routing from blocks {block_ids} "
                       f"({total} tokens expected)", kind="routing_missing")
