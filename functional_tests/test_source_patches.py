@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,7 +80,7 @@ def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(ver
                      "unit_tests/test_mamba_aligned_chunks.py", "unit_tests/test_mamba_decode_no_dummy.py",
                      "unit_tests/test_routing_per_block.py", "unit_tests/test_routing_evicted_requests.py")
     assert tests.returncode == 0, tests.stdout[-3000:]
-    assert " passed" in tests.stdout and "failed" not in tests.stdout
+    assert " passed" in tests.stdout and not re.search(r"\d+ failed", tests.stdout)  # "2 xfailed" is no failure
 
 
 @pytest.mark.slow
