@@ -14,14 +14,12 @@ blocks, where nothing is evicted. Released 0.18 and 0.19
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("megatron.core")
 
 from megatron_ext import mcore  # noqa: E402
-from megatron_ext.harness import engine as harness_engine  # noqa: E402
-from megatron_ext.harness.ab import backend  # noqa: E402
 from megatron_ext.harness.cases import parse_case  # noqa: E402
+from unit_tests.moe_engine import run_requests  # noqa: E402
 from megatron_ext.harness.step_loop import merged_record  # noqa: E402
 
 PROMPTS = {i: list(range(40 + 30 * i, 60 + 30 * i)) for i in range(6)}  # 20 tokens each, no prefix shared
@@ -48,21 +46,8 @@ def _routing(usable_blocks: int, prefix_caching: bool) -> tuple[dict[int, list |
     """Each request's merged ``routing_indices`` (``[tokens - 1][layers][topk]`` ints, or None) and
     the IDs of the requests the engine evicted (records of more than one request)."""
     case = parse_case(CASE_TEXT.format(gb=(usable_blocks + 1) * BLOCK_BYTES / 1024**3))
-    sampling = mcore.import_module("megatron.core.inference.sampling_params").SamplingParams(
-        top_k=1, num_tokens_to_generate=GENERATE)
-    records, step = {}, 0
-    with backend("cpu") as (invariant, detail), torch.inference_mode():
-        assert invariant, detail
-        harness_engine.ensure_model_parallel()
-        engine, _ = harness_engine.build_engine(
-            harness_engine.build_model(case), case, prefix_caching, "ref_zero")
-        for request_id, prompt in PROMPTS.items():
-            engine.add_request(request_id, prompt, sampling)
-            records[request_id] = engine.requests[request_id].record
-        while engine.requests:
-            engine.step_modern()
-            step += 1
-            assert step < 400, "the engine made no progress"
+    records, _ = run_requests(case, {i: (prompt, 0) for i, prompt in PROMPTS.items()}, prefix_caching, GENERATE,
+                              max_steps=400)
     routing = {}
     for i, record in records.items():
         merged = merged_record(record).routing_indices

@@ -20,14 +20,11 @@ block's routing).
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_ext import mcore  # noqa: E402
-from megatron_ext.harness import engine as harness_engine  # noqa: E402
-from megatron_ext.harness.ab import backend  # noqa: E402
 from megatron_ext.harness.cases import parse_case  # noqa: E402
+from unit_tests.moe_engine import run_requests  # noqa: E402
 from megatron_ext.harness.step_loop import merged_record  # noqa: E402
 
 PROMPT = list(range(32, 112))  # 80 tokens, 5 blocks
@@ -48,25 +45,7 @@ REQUESTS = {0: (PROMPT, 0), 1: (PROMPT, 3), 2: (OTHER, 4)}
 
 def _routing(prefix_caching: bool) -> dict[int, list]:
     """Each request's ``routing_indices`` as nested ints, ``[tokens - 1][layers][topk]``."""
-    sampling = mcore.import_module("megatron.core.inference.sampling_params").SamplingParams(
-        top_k=1, num_tokens_to_generate=GENERATE)
-    records, step = {}, 0
-    with backend("cpu") as (invariant, detail), torch.inference_mode():
-        assert invariant, detail
-        harness_engine.ensure_model_parallel()
-        engine, _ = harness_engine.build_engine(
-            harness_engine.build_model(CASE), CASE, prefix_caching, "ref_zero")
-        while len(records) < len(REQUESTS) or engine.requests:
-            for request_id, (prompt, arrival) in REQUESTS.items():
-                if arrival == step:
-                    engine.add_request(request_id, prompt, sampling)
-                    records[request_id] = engine.requests[request_id].record
-            if engine.requests:
-                engine.step_modern()
-            step += 1
-            assert step < 100, "the engine made no progress"
-        # the engine sums the context's per-step count here (and resets the context's)
-        matched = engine._prefix_cache_blocks_matched
+    records, matched = run_requests(CASE, REQUESTS, prefix_caching, GENERATE, max_steps=100)
     assert matched == (7 if prefix_caching else 0)  # 5 for request 1, 2 for request 2
     return {i: merged_record(r).routing_indices.tolist() for i, r in records.items()}
 
