@@ -39,9 +39,16 @@ import json, sys
 from megatron_ext.patches import ALL_PATCHES
 from megatron_ext.fingerprints import fingerprint
 source_patched = sys.argv[1] == "source_patched"
-print(json.dumps({p.name: {t.qualname: fingerprint(t.original())
-                           for t in (p.source_patched_targets if source_patched else p.checked_functions())}
-                  for p in ALL_PATCHES if p.source_patched_targets or not source_patched}))
+prints = {}
+for p in ALL_PATCHES:
+    if source_patched and not p.source_patched_targets:
+        continue
+    try:
+        prints[p.name] = {t.qualname: fingerprint(t.original())
+                          for t in (p.source_patched_targets if source_patched else p.checked_functions())}
+    except (AttributeError, KeyError):  # a target this release does not have: a patch not written for it
+        pass
+print(json.dumps(prints))
 """
 
 
@@ -67,8 +74,12 @@ def main() -> None:
             if args.source_patched:
                 patch_source(site)
             env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}")
-            out = subprocess.run([sys.executable, "-W", "ignore", "-c", CHILD, kind], env=env,
-                                 check=True, capture_output=True, text=True).stdout
+            child = subprocess.run([sys.executable, "-W", "ignore", "-c", CHILD, kind], env=env,
+                                   capture_output=True, text=True)
+            if child.returncode != 0:
+                sys.exit(f"record_fingerprints: megatron-core {version}: the fingerprinting process failed:\n"
+                         f"{child.stderr[-3000:]}")
+            out = child.stdout
             for patch, prints in json.loads(out.strip().splitlines()[-1]).items():
                 if version not in section.get(patch, {}) and patch not in args.add:
                     continue  # a release this patch is not written for

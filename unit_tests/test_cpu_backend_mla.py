@@ -66,16 +66,21 @@ def test_reference_core_attention_is_causal_attention_with_the_layer_scale():
         core(q, k[:3], v[:3], attention_mask=None)
 
 
-def test_split_norm_linear_keeps_the_layers_own_kv_norm():
+def test_split_norm_linear_copies_the_layers_own_kv_norm_and_linear_as_te_does():
     identity = mcore.import_module("megatron.core.transformer.identity_op").IdentityOp
     linear, rms = torch.nn.Linear(4, 4), torch.nn.RMSNorm(4)
-    norm, same = mla.split_norm_linear(linear, types.SimpleNamespace(qk_layernorm=False))
-    assert isinstance(norm, identity) and same is linear  # no KV norm: weights shared, not copied
+    norm, twin = mla.split_norm_linear(linear, types.SimpleNamespace(qk_layernorm=False))
+    assert isinstance(norm, identity) and type(twin) is torch.nn.Linear  # no KV norm
+    assert twin.weight is not linear.weight and torch.equal(twin.weight, linear.weight)
+    assert twin.bias is not linear.bias and torch.equal(twin.bias, linear.bias)
     with pytest.raises(NotImplementedError, match="the KV norm of this linear_kv_up_proj is unknown"):
         mla.split_norm_linear(linear, types.SimpleNamespace(qk_layernorm=True))
     mla.register_kv_norm(linear, rms)
-    norm, same = mla.split_norm_linear(linear, types.SimpleNamespace(qk_layernorm=True))
-    assert norm is rms and same is linear
+    norm, twin = mla.split_norm_linear(linear, types.SimpleNamespace(qk_layernorm=True))
+    assert type(norm) is torch.nn.RMSNorm and norm.weight is not rms.weight and torch.equal(norm.weight, rms.weight)
+    with torch.no_grad():
+        twin.weight.add_(1.0)  # the copies are the split's own
+    assert not torch.equal(twin.weight, linear.weight)
 
 
 def test_mla_on_cpu_installs_and_restores():

@@ -33,7 +33,12 @@ def test_mla_tiny_builds_megatron_cores_mla_layers_with_cached_latents():
     # qk_layernorm: the local spec's own KV norm, which the latent path's split keeps
     norm = attention.kv_layernorm
     assert type(norm).__name__ != "IdentityOp" and tuple(norm.weight.shape) == (32,)
-    assert split_norm_linear(attention.linear_kv_up_proj, config) == (norm, attention.linear_kv_up_proj)
+    # the latent path's split copies the KV norm and linear, as TE's does (fault M1 then shows on the CPU)
+    split_norm, split_linear = split_norm_linear(attention.linear_kv_up_proj, config)
+    assert type(split_norm) is type(norm) and type(split_linear) is type(attention.linear_kv_up_proj)
+    assert split_norm.weight is not norm.weight and torch.equal(split_norm.weight, norm.weight)
+    assert split_linear.weight is not attention.linear_kv_up_proj.weight
+    assert torch.equal(split_linear.weight, attention.linear_kv_up_proj.weight)
     assert next(model.parameters()).dtype is torch.bfloat16
 
 

@@ -22,6 +22,7 @@ query token on its own, in float32, so results do not depend on the batch.
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from typing import Any, Iterator, Optional
 
@@ -109,26 +110,35 @@ def split_norm_linear(fused_layer: Any, config: Any, init_method: Any = None, tp
 
     ``prepare_for_absorption`` asks for ``linear_kv_up_proj`` as ``(norm, linear)`` and makes the
     norm the layer's ``kv_layernorm``. The local spec's KV up-projection is a plain
-    ``ColumnParallelLinear`` whose norm already is ``kv_layernorm``: the answer is that norm (as
-    :func:`register_kv_norm` recorded it; without query/key norms an ``IdentityOp``, what
-    ``kv_layernorm`` then is) and the layer itself, weights shared, not copied. So the latent cache
-    holds the normalized compressed KV, as with TE's fused layer.
+    ``ColumnParallelLinear`` whose norm already is ``kv_layernorm`` (as :func:`register_kv_norm`
+    recorded it; without query/key norms an ``IdentityOp``, what ``kv_layernorm`` then is). Like
+    TE's split, the answer is two new modules holding copies of the weights (:func:`copied`), so
+    the KV up-projection ends in two unlinked copies as on a GPU (fault M1 shows on the CPU too)
+    and the latent cache holds the normalized compressed KV, as with TE's fused layer.
 
     Raises:
         NotImplementedError: ``config.qk_layernorm`` is set and no norm was registered for
             ``fused_layer``: an identity in place of the layer's KV norm would change the model.
     """
     norm = _KV_NORMS.get(fused_layer)
-    if norm is not None:
-        return norm, fused_layer
-    if getattr(config, "qk_layernorm", False):
-        raise NotImplementedError(
-            "MLA with qk_layernorm and cache_mla_latents: the KV norm of this linear_kv_up_proj is unknown "
-            "(megatron_ext.cpu_backend.mla.register_kv_norm records it for megatron-ext's MLA layers)")
-    from .. import mcore
+    if norm is None:
+        if getattr(config, "qk_layernorm", False):
+            raise NotImplementedError(
+                "MLA with qk_layernorm and cache_mla_latents: the KV norm of this linear_kv_up_proj is unknown "
+                "(megatron_ext.cpu_backend.mla.register_kv_norm records it for megatron-ext's MLA layers)")
+        from .. import mcore
 
-    identity = mcore.import_module("megatron.core.transformer.identity_op").IdentityOp
-    return identity(), fused_layer
+        norm = mcore.import_module("megatron.core.transformer.identity_op").IdentityOp()
+    return copied(norm), copied(fused_layer)
+
+
+def copied(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``module`` with parameters of its own holding copies of the values (what
+    TE's split builds; a deep copy would try to copy the process groups the module holds)."""
+    twin = copy.copy(module)
+    twin._parameters = {name: None if p is None else torch.nn.Parameter(p.detach().clone(), p.requires_grad)
+                        for name, p in module._parameters.items()}
+    return twin
 
 
 class ReferenceMLACoreAttention(torch.nn.Module):

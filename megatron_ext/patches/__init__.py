@@ -16,6 +16,7 @@ from .mamba_match_in_chunk import MambaMatchInChunkPatch
 from .mamba_slot_exhaustion import MambaSlotExhaustionPatch
 from .mamba_snapshot_offsets import MambaSnapshotOffsetsPatch
 from .matched_block_writes import MatchedBlockWritesPatch
+from .mla_absorbed_weights import MlaAbsorbedWeightsPatch
 from .release_refcount import ReleaseRefcountPatch
 from .routing_evicted_requests import RoutingEvictedRequestsPatch
 from .routing_finished_blocks import RoutingFinishedBlocksPatch
@@ -37,6 +38,7 @@ ALL_PATCHES: tuple[Patch, ...] = (
     RoutingPerBlockPatch(),
     RoutingFinishedBlocksPatch(),
     RoutingEvictedRequestsPatch(),
+    MlaAbsorbedWeightsPatch(),
     MambaChunkSizePatch(),
     MambaSnapshotOffsetsPatch(),
     MambaSlotExhaustionPatch(),
