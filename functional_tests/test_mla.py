@@ -90,8 +90,9 @@ def test_mla_options_it_cannot_run_exit_2_before_building(monkeypatch, capsys):
     monkeypatch.setattr(ab, "build_model", lambda *a, **k: pytest.fail("built a model for a refused MLA run"))
     assert cli.main(["ab", "--case", "mla_tiny", "--no-progress", "--trainer-logprobs"]) == 2
     assert one_error_line(capsys) == "megatron-ext: error: " + (REFUSAL if not RUNS_MLA else (
-        "case 'mla_tiny': multi-latent attention models run single-rank without weight updates or a training "
-        "forward (megatron-core absorbs the KV up-projection once: fault M1, docs/faults.md); drop --trainer-logprobs"))
+        "case 'mla_tiny': multi-latent attention models run single-rank, and with cached latents megatron-core runs "
+        "them only under the dynamic engine (a forward without its inference context, training or the trainer's, "
+        "asserts after the first inference forward); drop --trainer-logprobs"))
 
 
 def test_check_mla_run_names_every_option_it_cannot_run():
@@ -101,8 +102,11 @@ def test_check_mla_run_names_every_option_it_cannot_run():
     with pytest.raises(MLAUnsupportedError) as error:
         check_mla_run(with_updates, "0.19.2", 2, 1, trainer_logprobs="matched")
     assert str(error.value) == (
-        "case 'mla_tiny': multi-latent attention models run single-rank without weight updates or a training "
-        "forward (megatron-core absorbs the KV up-projection once: fault M1, docs/faults.md); drop tensor/pipeline parallelism (TP=2 PP=1), --trainer-logprobs, weight_updates")
+        "case 'mla_tiny': multi-latent attention models run single-rank, and with cached latents megatron-core runs "
+        "them only under the dynamic engine (a forward without its inference context, training or the trainer's, "
+        "asserts after the first inference forward); drop tensor/pipeline parallelism (TP=2 PP=1), --trainer-logprobs, "
+        "weight_updates kind train_step (use kind perturb)")
+    check_mla_run(mla_rounds_case(), "0.19.2")  # perturb updates run (fault M1 checked after each)
     with pytest.raises(MLAUnsupportedError, match="does not run on megatron-core 0.17.1"):
         check_mla_run(case, "0.17.1")
     check_mla_run(case, "0.18.2")  # a plain run on 0.18 / 0.19 passes
@@ -201,3 +205,49 @@ def test_mla_decode_tokens_differ_when_caching_changes_which_steps_prefill(monke
         diffs = {d.request_id: (d.tokens_equal, d.log_probs_equal, d.first_divergent_step) for d in policy.diffs}
         assert diffs == {0: (True, False, 5), 1: (True, False, 5), 2: (True, False, 5), 3: (True, True, None)}
     assert STEP_KIND_NOTE in result.warnings()
+
+
+def mla_rounds_case() -> Case:
+    """``mla_tiny`` in two rounds with a ``perturb`` weight update between them (suspend/resume,
+    persist mode): round 1 asks the guide prompts again, so with caching on they would match the
+    round-0 blocks unless the update invalidated them, and decode after prefill on new weights."""
+    data = load_case("mla_tiny").model_dump()
+    guide = dict(data["requests"][0])
+    data.update(name="mla_rounds", weight_updates={"kind": "perturb", "update_at_steps": [12], "suspend_resume": True,
+                                                   "perturb_scale": 0.02, "seed": 3})
+    data["requests"] = [*data["requests"], {**guide, "round": 1},
+                        {**guide, "round": 1, "arrival_step": 1, "prompt": "Count the wrens."}]
+    data["expectations"]["min_blocks_matched"] = 4
+    return Case.model_validate(data)
+
+
+def _run_rounds(monkeypatch, skip: str | None):
+    megatron_ext.revert()
+    if skip:
+        monkeypatch.setenv("MEGATRON_EXT_SKIP", skip)
+    try:
+        return run_ab(mla_rounds_case(), patched=True)
+    finally:
+        megatron_ext.revert()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not RUNS_MLA, reason="0.17 refuses MLA (test_mla_tiny_is_bit_identical_... checks the refusal)")
+def test_mla_weight_update_reaches_decode_and_prefill_steps(monkeypatch):
+    result = _run_rounds(monkeypatch, None)
+    assert result.failures() == [] and result.bit_identical and result.exit_code() == 0
+    for run in result.runs:
+        assert [(u.index, u.step, u.mla_stale_layers) for u in run.updates] == [(1, 12, [])]
+        assert run.audit.stale_hits == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not RUNS_MLA, reason="0.17 refuses MLA (test_mla_tiny_is_bit_identical_... checks the refusal)")
+def test_without_mla_absorbed_weights_the_update_misses_decode_steps(monkeypatch):
+    result = _run_rounds(monkeypatch, "mla-absorbed-weights")
+    assert next(p for p in result.patches if p["patch"] == "mla-absorbed-weights")["state"] == "not applied"
+    runs = ["caching off", "ref_zero", "lru"]
+    assert result.failures()[:3] == [
+        f"fault M1 (mla-absorbed-weights): run {run}: after weight update 1 (step 12) decode-only steps of MLA layers "
+        "1, 2 keep the old KV up-projection (prefill steps have the new one)" for run in runs]
+    assert result.exit_code() == 1

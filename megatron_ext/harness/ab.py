@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from .. import mcore
 from ..api import apply, revert
 from ..errors import DeviceUnavailableError
-from ..patches import RoutingEvictedRequestsPatch, RoutingPerBlockPatch, TopNPrefillChunksPatch
+from ..patches import (MlaAbsorbedWeightsPatch, RoutingEvictedRequestsPatch, RoutingPerBlockPatch,
+                       TopNPrefillChunksPatch)
 from ..patching import fault_label
 from .audits import FAULT_OF_KIND
 from .speculative import check_supported as check_speculative
@@ -190,6 +191,7 @@ class ABResult:
                 f"speculative decoding: {self.total('speculative_violations')} violations (hash-registered "
                 "blocks holding drafts, or a rollback that left the KV bookkeeping broken)")
         problems.extend(self._update_mismatches())
+        problems.extend(self._mla_update_failures())
         if self.trainer_logprobs is not None:
             problems.extend(self.trainer_logprobs.failures())
         for run in self.runs:
@@ -229,6 +231,13 @@ class ABResult:
         lines = [mamba_state_dtype_warning(self.case.model) if self.policies else None,
                  step_kind_warning(self.case, self.bit_identical) if self.policies else None]
         return [line for line in lines if line]
+
+    def _mla_update_failures(self) -> list[str]:
+        """Fault M1: a weight update that left an MLA layer's decode-only KV up-projection on old weights."""
+        return [f"{fault_label(MlaAbsorbedWeightsPatch)}: run {run.eviction_policy or 'caching off'}: after weight "
+                f"update {update.index} (step {update.step}) decode-only steps of MLA layers "
+                f"{', '.join(map(str, update.mla_stale_layers))} keep the old KV up-projection (prefill steps have the new one)"
+                for run in self.runs for update in run.updates if update.mla_stale_layers]
 
     def _update_mismatches(self) -> list[str]:
         return update_mismatches(self.case, self.baseline, [(p.policy, p.run) for p in self.policies])

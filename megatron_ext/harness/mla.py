@@ -69,13 +69,12 @@ def check_mla_run(case: Any, version: str, tensor_model_parallel_size: int = 1,
 
     Raises:
         MLAUnsupportedError: a release outside :data:`MLA_SERIES`, several ranks,
-            ``--trainer-logprobs`` or ``weight_updates``: after the first inference forward
-            megatron-core's ``prepare_for_absorption`` has deleted ``linear_kv_up_proj`` (a training
-            forward asserts ``cache_mla_latents conflicts with training``) and keeps the KV
-            up-projection twice (``up_k_weight`` / ``up_v_weight`` views for decode-only steps,
-            ``linear_kv_up_proj_linear`` for prefill steps; with Transformer Engine a copy), so a
-            weight update can leave one of them on the old weights
-            (``scripts/probes/mla_weight_update.py``).
+            ``--trainer-logprobs``, or ``weight_updates`` of kind ``train_step`` or ``checkpoint``:
+            after the first inference forward megatron-core's ``prepare_for_absorption`` has deleted
+            ``linear_kv_up_proj``, so a training forward (``cache_mla_latents conflicts with
+            training``) or one without an inference context asserts, and its state dict has other
+            names. ``perturb`` updates run: whether they reach every copy of the KV up-projection
+            (fault M1) is checked after each (:func:`stale_absorbed_layers`).
     """
     if not getattr(case.model, "multi_latent_attention", False):
         return
@@ -85,15 +84,45 @@ def check_mla_run(case: Any, version: str, tensor_model_parallel_size: int = 1,
             f"case '{case.name}': multi-latent attention with prefix caching does not run on megatron-core "
             f"{version}: its flash_decode_and_prefill sends a mixed step whose queries all have one token to "
             f"the FlashMLA decode kernel with unabsorbed queries; use megatron-core 0.18 or 0.19")
+    kind = case.weight_updates.kind if case.weight_updates is not None else None
     unsupported = [what for what, asked in (
         (f"tensor/pipeline parallelism (TP={tensor_model_parallel_size} PP={pipeline_model_parallel_size})",
          tensor_model_parallel_size > 1 or pipeline_model_parallel_size > 1),
         ("--trainer-logprobs", trainer_logprobs is not None),
-        ("weight_updates", case.weight_updates is not None)) if asked]
+        (f"weight_updates kind {kind} (use kind perturb)", kind in ("train_step", "checkpoint"))) if asked]
     if unsupported:
-        raise MLAUnsupportedError(f"case '{case.name}': multi-latent attention models run single-rank without weight "
-                                  "updates or a training forward (megatron-core absorbs the KV up-projection once: "
-                                  f"fault M1, docs/faults.md); drop {', '.join(unsupported)}")
+        raise MLAUnsupportedError(f"case '{case.name}': multi-latent attention models run single-rank, and with cached "
+                                  "latents megatron-core runs them only under the dynamic engine (a forward without "
+                                  "its inference context, training or the trainer's, asserts after the first "
+                                  f"inference forward); drop {', '.join(unsupported)}")
+
+
+def pre_absorption_name(name: str) -> str:
+    """A parameter's name from before ``prepare_for_absorption`` renamed ``linear_kv_up_proj`` to
+    ``linear_kv_up_proj_linear`` (``kv_layernorm`` keeps its name on the local spec); other names as given."""
+    return name.replace(".linear_kv_up_proj_linear.", ".linear_kv_up_proj.")
+
+
+def stale_absorbed_layers(model: Any) -> list[int]:
+    """Decoder layer numbers (1-based) whose MLA decode-only KV up-projection is not the prefill one.
+
+    After ``prepare_for_absorption`` decode-only steps use ``up_k_weight`` / ``up_v_weight``
+    (``[heads, qk_head_dim | v_head_dim, kv_lora_rank]``), prefill and mixed steps
+    ``linear_kv_up_proj_linear.weight`` (``[heads * (qk_head_dim + v_head_dim), kv_lora_rank]``);
+    they must be equal bit for bit. Unequal after a weight update is fault M1 (patch
+    ``mla-absorbed-weights``). Layers not absorbed yet, and models without MLA, give nothing."""
+    import torch  # here: the refusals above run before torch is imported
+
+    stale = []
+    for layer in getattr(getattr(model, "decoder", None), "layers", ()):
+        attention = getattr(layer, "self_attention", None)
+        if not hasattr(attention, "up_k_weight") or not hasattr(attention, "linear_kv_up_proj_linear"):
+            continue
+        up_k, up_v = attention.up_k_weight, attention.up_v_weight
+        heads = attention.linear_kv_up_proj_linear.weight.view(up_k.shape[0], up_k.shape[1] + up_v.shape[1], -1)
+        if not (torch.equal(heads[:, :up_k.shape[1]], up_k) and torch.equal(heads[:, up_k.shape[1]:], up_v)):
+            stale.append(layer.layer_number)
+    return stale
 
 
 #: Why an MLA case's outputs can differ with caching on vs off without any KV-cache fault.

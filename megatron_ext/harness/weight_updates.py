@@ -34,6 +34,7 @@ from .cases.planning import PlannedRequest
 from .cases.schema import WeightUpdateSpec
 from .checkpoint import CheckpointSource, load_checkpoint
 from .compare import RequestOutput
+from .mla import pre_absorption_name, stale_absorbed_layers
 
 
 class WeightUpdateError(MegatronExtError):
@@ -65,6 +66,9 @@ class UpdateRecord:
             the patch invalidates there), ``invalidated`` / ``kept`` (the explicit call),
             ``patch not applied`` (upstream behaviour) or ``caching off``.
         blocks_unreachable, blocks_freed: what ``invalidate_prefix_cache`` reported (else None).
+        mla_stale_layers: MLA models: decoder layers (1-based) whose decode-only KV up-projection
+            differs from the prefill one after the update (fault M1; empty when every copy has the
+            new weights, :func:`~megatron_ext.harness.mla.stale_absorbed_layers`).
     """
 
     index: int
@@ -79,20 +83,28 @@ class UpdateRecord:
     invalidation: str = ""
     blocks_unreachable: Optional[int] = None
     blocks_freed: Optional[int] = None
+    mla_stale_layers: list[int] = field(default_factory=list)
 
 
 class WeightSnapshot:
-    """A copy of a model's parameters and buffers, to start every run from the same weights."""
+    """A copy of a model's parameters and buffers, to start every run from the same weights.
+
+    Restored into the tensors the model had when the snapshot was taken and into those it has
+    now: an MLA model's first inference forward renames and copies its KV up-projection
+    (``prepare_for_absorption``; :func:`~megatron_ext.harness.mla.pre_absorption_name`), and its
+    decode-only steps keep reading the original tensor's storage."""
 
     def __init__(self, model: Any) -> None:
-        self._tensors = {name: t.detach().clone() for name, t in _named_tensors(model)}
+        self._tensors = {name: (t, t.detach().clone()) for name, t in _named_tensors(model)}
 
     def restore(self, model: Any) -> None:
         """Copy the saved values back into ``model``'s tensors, in place (same storage, so an
         engine built around the model sees them)."""
         with torch.no_grad():
+            for tensor, saved in self._tensors.values():
+                tensor.data.copy_(saved)
             for name, tensor in _named_tensors(model):
-                tensor.data.copy_(self._tensors[name])
+                tensor.data.copy_(self._tensors[pre_absorption_name(name)][1])
 
 
 def _named_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
@@ -157,6 +169,7 @@ class WeightUpdater:
         else:
             load_checkpoint(self.model, self.checkpoints[min(k - 1, len(self.checkpoints) - 1)])
         record.weights_sha256 = weights_sha256(self.model)
+        record.mla_stale_layers = stale_absorbed_layers(self.model)
 
     def _train_step(self, batch: list[int], outputs: dict[int, RequestOutput], seed: int) -> float:
         if not batch:

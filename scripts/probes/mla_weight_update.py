@@ -7,13 +7,10 @@ one line ``PROBE {json}``. CPU only, ``mla_tiny``'s model in fp32, prefix cachin
 ``linear_kv_up_proj`` with ``split_te_layernorm_column_parallel_linear`` into ``kv_layernorm`` and
 ``linear_kv_up_proj_linear`` (prefill and mixed steps uncompress the latent cache with them), keeps
 ``up_k_weight`` / ``up_v_weight`` as views of ``linear_kv_up_proj.weight`` (decode-only steps absorb
-them into queries and outputs) and deletes ``linear_kv_up_proj``. Two splits are probed:
-
-* ``shared``: megatron-ext's CPU stand-in (``cpu_backend.mla.split_norm_linear``): the local spec's
-  own ``kv_layernorm`` and the very ``linear_kv_up_proj`` module, weights shared;
-* ``te_copy``: Transformer Engine's semantics (``split_te_layernorm_column_parallel_linear``
-  builds a new ``TENorm`` and ``TEColumnParallelLinear`` and copies the weights into them), emulated
-  here by deep copies of the two local modules.
+them into queries and outputs) and deletes ``linear_kv_up_proj``. megatron-ext's CPU stand-in of
+TE's ``split_te_layernorm_column_parallel_linear`` copies the weights into the new modules, as TE's
+does. Each schedule runs ``released`` (megatron-core as released: fault M1) and ``patched``
+(``megatron_ext.apply()``: ``mla-absorbed-weights`` links the copies).
 
 Schedule, for model A: request 0 (prefill: absorption; one decode step; finished), then a weight
 update, then request 1 alone: a prefill-only step (uncompressed path) and a decode-only step
@@ -35,37 +32,21 @@ Updates (``delta``: 0.05 * N(0, 1) per element, seeded by the parameter's pre-ab
 
 from __future__ import annotations
 
-import copy
 import json
 import zlib
 from typing import Any
 
 import torch
 
+import megatron_ext
 from megatron_ext import mcore
 from megatron_ext.cpu_backend import cpu_backend
-from megatron_ext.cpu_backend.mla import MLA_MODULE, split_norm_linear
 from megatron_ext.harness.cases import Case, load_case
 from megatron_ext.harness.engine import build_engine, build_model, ensure_model_parallel
 from megatron_ext.harness.tokenizer import default_tokenizer
 
 SCALE = 0.05
 PROMPTS = ("The kv up-projection is absorbed at the first forward.", "Then the weights change.")
-
-
-def te_copy_split(fused_layer: Any, config: Any, init_method: Any = None, tp_group: Any = None):
-    """TE's split semantics on the local spec: new modules holding copies of the weights."""
-    norm, linear = split_norm_linear(fused_layer, config, init_method, tp_group)
-    return _copied(norm), _copied(linear)
-
-
-def _copied(module: torch.nn.Module) -> torch.nn.Module:
-    """A shallow copy of ``module`` with its own parameters holding copies of the values
-    (a deep copy would try to copy the process groups the module holds)."""
-    twin = copy.copy(module)
-    twin._parameters = {name: None if p is None else torch.nn.Parameter(p.detach().clone(), p.requires_grad)
-                        for name, p in module._parameters.items()}
-    return twin
 
 
 def delta(name: str, like: torch.Tensor) -> torch.Tensor:
@@ -148,10 +129,9 @@ def main() -> None:
     report: dict[str, Any] = {"megatron_core": mcore.installed_version()}
     with cpu_backend():
         ensure_model_parallel()
-        mla = mcore.import_module(MLA_MODULE)
-        stand_in = mla.split_te_layernorm_column_parallel_linear
-        for split in ("shared", "te_copy"):
-            mla.split_te_layernorm_column_parallel_linear = stand_in if split == "shared" else te_copy_split
+        for variant in ("released", "patched"):  # the CPU split copies the weights, as TE's does
+            if variant == "patched":
+                megatron_ext.apply()
             try:
                 for which in ("all", "kv_up"):
                     old = run(case, None, which)["rows"]
@@ -163,10 +143,10 @@ def main() -> None:
                                                 "max_abs_vs_old": float((rows[0] - old[0]).abs().max())}
                         info["decode_step"] = {"max_abs_vs_new": float((rows[1] - new[1]).abs().max()),
                                                "max_abs_vs_old": float((rows[1] - old[1]).abs().max())}
-                        report[f"{split}/{which}/{update}"] = info
-                    report[f"{split}/{which}/old_vs_new"] = [float((o - n).abs().max()) for o, n in zip(old, new)]
+                        report[f"{variant}/{which}/{update}"] = info
+                    report[f"{variant}/{which}/old_vs_new"] = [float((o - n).abs().max()) for o, n in zip(old, new)]
             finally:
-                mla.split_te_layernorm_column_parallel_linear = stand_in
+                megatron_ext.revert()
         model = build_model(case)
         engine, _ = build_engine(model, case, False, "ref_zero")
         sampling = mcore.import_module("megatron.core.inference.sampling_params")
