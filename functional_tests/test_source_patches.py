@@ -68,7 +68,8 @@ def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(ver
             "mamba-chunk-size", "mamba-snapshot-offsets", "mamba-slot-exhaustion",
             "mamba-match-in-chunk", "mamba-clamp-restore", "mamba-conv-carry",
             "mamba-continuation-skip", "mamba-aligned-chunks", "mamba-decode-no-dummy",
-            "routing-per-block", "routing-finished-blocks", "routing-evicted-requests")}
+            "routing-per-block", "routing-finished-blocks", "routing-evicted-requests",
+            "mla-decode-flag", "mla-absorbed-weights")}
     tests = run_with(tree, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                      "unit_tests/test_release_refcount.py", "unit_tests/test_matched_block_writes.py",
                      "unit_tests/test_faults.py", "unit_tests/test_lru_faults.py",
@@ -78,7 +79,8 @@ def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(ver
                      "unit_tests/test_mamba_match_in_chunk.py", "unit_tests/test_mamba_clamp_restore.py",
                      "unit_tests/test_mamba_conv_carry.py", "unit_tests/test_mamba_continuation_skip.py",
                      "unit_tests/test_mamba_aligned_chunks.py", "unit_tests/test_mamba_decode_no_dummy.py",
-                     "unit_tests/test_routing_per_block.py", "unit_tests/test_routing_evicted_requests.py")
+                     "unit_tests/test_routing_per_block.py", "unit_tests/test_routing_evicted_requests.py",
+                     "unit_tests/test_mla_decode_flag.py", "unit_tests/test_mla_absorbed_weights.py")
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and not re.search(r"\d+ failed", tests.stdout)  # "2 xfailed" is no failure
 

@@ -28,6 +28,8 @@ DYNAMIC_ENGINE_MODULE = "megatron.core.inference.engines.dynamic_engine"
 TEXT_GENERATION_CONTROLLER_MODULE = (
     "megatron.core.inference.text_generation_controllers.text_generation_controller")
 MAMBA_SLOT_ALLOCATOR_MODULE = "megatron.core.inference.contexts.mamba_slot_allocator"
+MLA_MODULE = "megatron.core.transformer.multi_latent_attention"
+ATTENTION_MODULE = "megatron.core.transformer.attention"
 
 _INSTALL_HINT = (
     "install a supported release, e.g. `pip install --no-deps megatron-core==0.19.2` "

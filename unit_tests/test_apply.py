@@ -47,7 +47,7 @@ EXPECTED_STATUS = {
              "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable",
              "mamba-decode-no-dummy": "applicable", "routing-per-block": "applicable",
              "routing-finished-blocks": "not needed", "routing-evicted-requests": "not needed",
-             "mla-absorbed-weights": "applicable"},
+             "mla-decode-flag": "applicable", "mla-absorbed-weights": "applicable"},
     "0.18": {**_FAULTS_017_018, "mamba-chunk-size": "not needed", "mamba-snapshot-offsets": "applicable",
              "mamba-slot-exhaustion": "applicable",
              "mamba-match-in-chunk": "applicable", "mamba-clamp-restore": "applicable",
@@ -55,7 +55,7 @@ EXPECTED_STATUS = {
              "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable",
              "mamba-decode-no-dummy": "applicable", "routing-per-block": "not needed",
              "routing-finished-blocks": "applicable", "routing-evicted-requests": "applicable",
-             "mla-absorbed-weights": "applicable"},
+             "mla-decode-flag": "applicable", "mla-absorbed-weights": "applicable"},
     "0.19": {
         "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
         "lru-register-once": "applicable", "lru-pin-before-allocate": "not needed",
@@ -75,7 +75,7 @@ EXPECTED_STATUS = {
         "routing-per-block": "not needed",
         "routing-finished-blocks": "applicable",
         "routing-evicted-requests": "applicable",
-        "mla-absorbed-weights": "applicable",
+        "mla-decode-flag": "applicable", "mla-absorbed-weights": "applicable",
     },
 }
 TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL)
@@ -392,7 +392,7 @@ FAULT_IDS = {
     "mamba-match-in-chunk": "H5", "mamba-slot-exhaustion": "H6", "mamba-conv-carry": "H7",
     "mamba-continuation-skip": "H8", "mamba-aligned-chunks": "H9", "mamba-decode-no-dummy": "H10",
     "routing-per-block": "R1", "routing-finished-blocks": "R2",
-    "routing-evicted-requests": "R3", "mla-absorbed-weights": "M1",
+    "routing-evicted-requests": "R3", "mla-decode-flag": "M2", "mla-absorbed-weights": "M1",
 }
 
 

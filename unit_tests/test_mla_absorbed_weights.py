@@ -16,7 +16,8 @@ import torch
 from megatron_ext.cpu_backend import cpu_backend
 from megatron_ext.harness.cases import Case, load_case
 from megatron_ext.harness.engine import build_model, ensure_model_parallel
-from megatron_ext.patches.mla_absorbed_weights import PREPARE, share_split_weights
+from megatron_ext.cpu_backend.mla import split_norm_linear
+from megatron_ext.patches.mla_absorbed_weights import share_split_weights
 
 #: ``mla_tiny``: 4 heads, qk_head_dim 16, v_head_dim 16, kv_lora_rank 32.
 HEADS, QK, V, RANK = 4, 16, 16, 32
@@ -94,8 +95,9 @@ def test_a_split_parameter_that_is_not_an_exact_copy_is_left_alone():
     model = build()
     attention = model.decoder.layers[0].self_attention
     fused, norm = attention.linear_kv_up_proj, attention.kv_layernorm
-    with cpu_backend(), torch.no_grad():
-        PREPARE.original()(attention)  # megatron-core's split: copies
+    # the state the released split leaves (copies), built with the CPU backend's TE-like split
+    attention.kv_layernorm, attention.linear_kv_up_proj_linear = split_norm_linear(fused, model.config)
+    with torch.no_grad():
         attention.linear_kv_up_proj_linear.weight.add_(1.0)  # no longer a copy of the fused weight
     assert share_split_weights(attention, fused, norm) == 1  # the norm only
     assert attention.kv_layernorm.weight is norm.weight

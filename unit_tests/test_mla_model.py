@@ -1,5 +1,5 @@
 """The harness's multi-latent attention model (``megatron_ext.harness.mla``): what it builds from
-``mla_tiny`` and the decode flag its attention layer adds to megatron-core's call."""
+``mla_tiny``."""
 
 from __future__ import annotations
 
@@ -40,19 +40,6 @@ def test_mla_tiny_builds_megatron_cores_mla_layers_with_cached_latents():
     assert split_linear.weight is not attention.linear_kv_up_proj.weight
     assert torch.equal(split_linear.weight, attention.linear_kv_up_proj.weight)
     assert next(model.parameters()).dtype is torch.bfloat16
-
-
-def test_the_decode_flag_is_whether_the_latent_path_handed_a_value(monkeypatch):
-    attention_module = mcore.import_module("megatron.core.transformer.attention")
-    seen = []
-    monkeypatch.setattr(attention_module.Attention, "flash_decode_and_prefill",
-                        lambda self, q, k, v, *args, **kwargs: seen.append((args, kwargs)) or "out")
-    layer = object.__new__(mla_self_attention_class())  # no module state needed for the call
-    six = ("max_q", "max_k", "cu_q", "cu_k", "lengths", "table")
-    assert layer.flash_decode_and_prefill("q", "k", None, *six) == "out"  # decode-only: latent cache alone
-    layer.flash_decode_and_prefill("q", "k", "v", *six)  # prefill / mixed: uncompressed values
-    layer.flash_decode_and_prefill("q", "k", None, *six, False)  # a caller that passes it is left alone
-    assert seen == [(six, {"is_decode_only": True}), (six, {"is_decode_only": False}), ((*six, False), {})]
 
 
 def test_moe_mla_mtp_tiny_drafts_without_latents_and_records_decoder_routers_only():

@@ -8,7 +8,7 @@ by then. wrapt, torch and the patches load inside the hook, with megatron-core. 
 engine module usually imports the context half-way through its own import: the patches on the
 engine (``top-n-prefill-chunks``, ``routing-evicted-requests``, ``mamba-aligned-chunks``) then wait, and a second hook applies it when the engine module
 is imported (likewise ``mamba-conv-carry`` and ``mamba-decode-no-dummy`` and the Mamba mixer module,
-which imports the decode kernel's module, and ``mla-absorbed-weights`` and the multi-latent attention module); each patch's line is
+which imports the decode kernel's module, and the MLA patches and the multi-latent attention module); each patch's line is
 printed again only when its state changed.
 """
 
@@ -24,7 +24,7 @@ ENGINE_MODULE = "megatron.core.inference.engines.dynamic_engine"
 #: hybrid models: the Mamba mixer (``mamba-conv-carry`` and ``mamba-decode-no-dummy`` wait for it,
 #: like the engine patch)
 MAMBA_MIXER_MODULE = "megatron.core.ssm.mamba_mixer"
-#: MLA models: ``mla-absorbed-weights`` waits for the multi-latent attention module (imported with
+#: MLA models: ``mla-decode-flag`` and ``mla-absorbed-weights`` wait for the multi-latent attention module (imported with
 #: the layer specs, maybe while the patches first apply)
 MLA_MODULE = "megatron.core.transformer.multi_latent_attention"
 #: patch name -> state last printed, so the engine module's hook prints only what it changed

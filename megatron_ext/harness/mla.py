@@ -15,8 +15,9 @@ Two things in megatron-core itself keep the local spec from running, in every re
   :class:`~megatron_ext.cpu_backend.mla.ReferenceMLACoreAttention` (used by a forward without an
   inference context only; the engine's steps go through ``flash_decode_and_prefill``);
 * ``MultiLatentAttention.forward`` calls ``flash_decode_and_prefill`` without its required
-  ``is_decode_only`` argument (``TypeError``; Megatron-LM issue #4901, PR #4902 merged upstream,
-  not in 0.17.1, 0.18.2 or 0.19.2): the harness's layer (:func:`mla_self_attention_class`) passes it.
+  ``is_decode_only`` argument (``TypeError`` at the first engine step, on a GPU too; Megatron-LM
+  issue #4901, PR #4902 merged upstream, not in 0.17.1, 0.18.2 or 0.19.2): fault M2, fixed by the
+  runtime patch ``mla-decode-flag`` (an MLA run without it fails at its first step).
 
 An MTP block over MLA layers (speculative decoding) needs one more: megatron-core runs the MTP
 layer's draft forward (``compute_mtp_single_step`` -> ``forward_single_position``) with no
@@ -153,33 +154,22 @@ def mla_config_fields(spec: Any) -> dict[str, Any]:
 
 @functools.cache
 def mla_self_attention_class() -> type:
-    """megatron-core's ``MLASelfAttention`` with the decode flag its forward leaves out.
-
-    ``MultiLatentAttention.forward`` calls ``flash_decode_and_prefill(q, k, v, max_seqlen_q,
-    max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table)`` without ``is_decode_only``
-    (Megatron-LM issue #4901; PR #4902 upstream). The subclass fills it in: a step is decode-only exactly when
-    the latent path hands no value tensor (``key_value_cache`` returns the latent cache alone in
-    decode-only steps; prefill and mixed steps uncompress keys and values from it). Everything else
-    is megatron-core's class. Its KV norm is registered for the CPU backend's stand-in of TE's
-    norm / linear split (:func:`~megatron_ext.cpu_backend.mla.register_kv_norm`)."""
+    """megatron-core's ``MLASelfAttention`` whose KV norm is registered for the CPU backend's
+    stand-in of TE's norm / linear split (:func:`~megatron_ext.cpu_backend.mla.register_kv_norm`);
+    everything else is megatron-core's class."""
     from ..cpu_backend.mla import register_kv_norm
 
-    base = mcore.import_module("megatron.core.transformer.multi_latent_attention").MLASelfAttention
+    base = mcore.import_module(mcore.MLA_MODULE).MLASelfAttention
 
-    class MLASelfAttentionWithDecodeFlag(base):
-        """``MLASelfAttention`` whose dynamic-batching call passes ``is_decode_only``."""
+    class HarnessMLASelfAttention(base):
+        """``MLASelfAttention`` with its KV norm registered for the CPU split."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             # the local spec's KV norm is kv_layernorm itself: what the latent path's split must keep
             register_kv_norm(self.linear_kv_up_proj, self.kv_layernorm)
 
-        def flash_decode_and_prefill(self, q, k, v, *args, **kwargs):  # noqa: D102 - see the factory
-            if len(args) == 6 and "is_decode_only" not in kwargs:
-                kwargs["is_decode_only"] = v is None
-            return super().flash_decode_and_prefill(q, k, v, *args, **kwargs)
-
-    return MLASelfAttentionWithDecodeFlag
+    return HarnessMLASelfAttention
 
 
 def mla_layer_spec(spec: Any) -> Any:

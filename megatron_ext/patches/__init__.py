@@ -17,6 +17,7 @@ from .mamba_slot_exhaustion import MambaSlotExhaustionPatch
 from .mamba_snapshot_offsets import MambaSnapshotOffsetsPatch
 from .matched_block_writes import MatchedBlockWritesPatch
 from .mla_absorbed_weights import MlaAbsorbedWeightsPatch
+from .mla_decode_flag import MlaDecodeFlagPatch
 from .release_refcount import ReleaseRefcountPatch
 from .routing_evicted_requests import RoutingEvictedRequestsPatch
 from .routing_finished_blocks import RoutingFinishedBlocksPatch
@@ -38,6 +39,7 @@ ALL_PATCHES: tuple[Patch, ...] = (
     RoutingPerBlockPatch(),
     RoutingFinishedBlocksPatch(),
     RoutingEvictedRequestsPatch(),
+    MlaDecodeFlagPatch(),
     MlaAbsorbedWeightsPatch(),
     MambaChunkSizePatch(),
     MambaSnapshotOffsetsPatch(),

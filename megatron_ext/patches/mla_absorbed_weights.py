@@ -31,9 +31,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..mcore import MLA_MODULE
 from ..patching import Patch, Target
 
-MLA_MODULE = "megatron.core.transformer.multi_latent_attention"
 PREPARE = Target(MLA_MODULE, "MLASelfAttention.prepare_for_absorption")
 
 #: fused-layer parameter -> (split module attribute, parameter name): TE's fused norm + linear
