@@ -239,8 +239,12 @@ def _run_rounds(monkeypatch, skip: str | None):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not RUNS_MLA, reason="0.17 refuses MLA (test_mla_tiny_is_bit_identical_... checks the refusal)")
 def test_mla_weight_update_reaches_decode_and_prefill_steps(monkeypatch):
+    if not RUNS_MLA:
+        with pytest.raises(MLAUnsupportedError) as error:
+            _run_rounds(monkeypatch, None)
+        assert str(error.value) == REFUSAL.replace("'mla_tiny'", "'mla_rounds'")
+        return
     result = _run_rounds(monkeypatch, None)
     assert result.failures() == [] and result.bit_identical and result.exit_code() == 0
     for run in result.runs:
@@ -249,8 +253,12 @@ def test_mla_weight_update_reaches_decode_and_prefill_steps(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not RUNS_MLA, reason="0.17 refuses MLA (test_mla_tiny_is_bit_identical_... checks the refusal)")
 def test_without_mla_absorbed_weights_the_update_misses_decode_steps(monkeypatch):
+    if not RUNS_MLA:
+        with pytest.raises(MLAUnsupportedError) as error:
+            _run_rounds(monkeypatch, "mla-absorbed-weights")
+        assert str(error.value) == REFUSAL.replace("'mla_tiny'", "'mla_rounds'")
+        return
     result = _run_rounds(monkeypatch, "mla-absorbed-weights")
     assert next(p for p in result.patches if p["patch"] == "mla-absorbed-weights")["state"] == "not applied"
     runs = ["caching off", "ref_zero", "lru"]
