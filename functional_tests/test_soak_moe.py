@@ -3,8 +3,7 @@
 40 requests, seed 0: a 23-block pool (fp32), so megatron-core evicts requests and re-runs them
 (fault R3's trigger) and LRU evicts cached blocks. 0.18 / 0.19: every audit holds, routing equal
 on vs off and present for every request, the allocator's stored block routing never above the pool.
-0.17 evicts too; its merge of an evicted request repeats the routing rows before the eviction (no
-patch), and the verdict says exactly that.
+0.17 evicts too; with fault R3's 0.17 patch its merge gives every token's routing once.
 """
 
 from __future__ import annotations
@@ -33,14 +32,12 @@ def test_soak_moe_routing_is_whole_and_bounded_by_the_pool(soak):
     runs = report["soak"]["runs"]
     assert tuple(run["requests_evicted"] for run in runs.values()) == EVICTED[SERIES]
     assert [run["error"] for run in runs.values()] == [None] * 3
-    if SERIES == "0.17":
-        assert code == 1 and all(line.startswith("evicted requests (0.17, no patch): run ") or " differ " in line
-                                 for line in report["failures"]), report["failures"]
-        return
     assert (code, report["failures"]) == (0, [])
     for name, run in runs.items():
         assert (run["routing_replay_violations"], run["kv_write_violations"], run["refcount_violations"]) == (0, 0, 0)
-        assert run["block_routing_max_entries"] == 23 and run["peak_pool_use"] == "23/23", name
+        # 0.17 stores routing per block only with caching on (fault R1's patch; caching off has nothing to replay)
+        stored = 0 if SERIES == "0.17" and name == "caching off" else 23
+        assert (run["block_routing_max_entries"], run["peak_pool_use"]) == (stored, "23/23"), name
     for entry in report["policies"]:
         assert all(r["routing_equal"] for r in entry["requests"])
         assert all(o["routing"] is not None for o in entry["run"]["outputs"].values())

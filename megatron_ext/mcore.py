@@ -30,6 +30,7 @@ TEXT_GENERATION_CONTROLLER_MODULE = (
 MAMBA_SLOT_ALLOCATOR_MODULE = "megatron.core.inference.contexts.mamba_slot_allocator"
 MLA_MODULE = "megatron.core.transformer.multi_latent_attention"
 ATTENTION_MODULE = "megatron.core.transformer.attention"
+INFERENCE_REQUEST_MODULE = "megatron.core.inference.inference_request"
 
 _INSTALL_HINT = (
     "install a supported release, e.g. `pip install --no-deps megatron-core==0.19.2` "

@@ -46,7 +46,7 @@ EXPECTED_STATUS = {
              "mamba-conv-carry": "applicable",
              "mamba-continuation-skip": "applicable", "mamba-aligned-chunks": "applicable",
              "mamba-decode-no-dummy": "applicable", "routing-per-block": "applicable",
-             "routing-finished-blocks": "not needed", "routing-evicted-requests": "not needed",
+             "routing-finished-blocks": "not needed", "routing-evicted-requests": "applicable",
              "mla-decode-flag": "applicable", "mla-absorbed-weights": "applicable"},
     "0.18": {**_FAULTS_017_018, "mamba-chunk-size": "not needed", "mamba-snapshot-offsets": "applicable",
              "mamba-slot-exhaustion": "applicable",
@@ -451,7 +451,8 @@ def test_environment_variable_applies_the_engine_patch_once_the_engine_is_import
             + "; print(getattr(E.__dict__['post_process_requests'], '_self_megatron_ext_patch', None))")
     done = run_python(code, MEGATRON_EXT_AUTO="1")
     assert done.returncode == 0, done.stderr
-    # routing-evicted-requests (0.18, 0.19) goes on post_process_requests after top-n-prefill-chunks
+    # routing-evicted-requests goes on post_process_requests (0.18, 0.19; 0.17: on the record's merge)
+    # after top-n-prefill-chunks
     outermost = "top-n-prefill-chunks" if mcore_series == "0.17" else "routing-evicted-requests"
     assert done.stdout.split() == ["weight-update-invalidation", outermost]
     lines = [line for line in done.stderr.splitlines() if line.startswith("megatron-ext: ")]

@@ -7,8 +7,9 @@ cannot all grow: the engine evicts requests 2 and 4 and re-adds them later (prom
 prompt and what they had generated), so their records hold two requests. Every request's merged
 ``routing_indices`` has ``prompt + generated - 1`` rows (63; 44 and 21 for requests 0 and 1,
 which reach the end-of-document token early), equal to the same request's with a pool of 64
-blocks, where nothing is evicted. Released 0.18 and 0.19
-(``MEGATRON_EXT_TEST_UNPATCHED=1``) return None for each evicted request, prefix caching on or off.
+blocks, where nothing is evicted. Released (``MEGATRON_EXT_TEST_UNPATCHED=1``), prefix caching on or
+off, 0.18 and 0.19 return None for each evicted request, and 0.17, which builds routing step by
+step, 95 rows (the 32 rows of the tokens before the eviction, then the re-added request's 63).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from megatron_ext import mcore  # noqa: E402
 from megatron_ext.harness.cases import parse_case  # noqa: E402
 from unit_tests.moe_engine import run_requests  # noqa: E402
 from megatron_ext.harness.step_loop import merged_record  # noqa: E402
@@ -55,14 +55,6 @@ def _routing(usable_blocks: int, prefix_caching: bool) -> tuple[dict[int, list |
     return routing, {i for i, r in records.items() if len(r.requests) > 1}
 
 
-#: 0.17 builds routing step by step and merge() joins both entries' routing: an evicted request
-#: gets the rows of the tokens before its eviction twice (95 rows, not 63). Not patched (yet).
-DUPLICATED_ON_017 = pytest.mark.xfail(
-    mcore.release_series(mcore.installed_version()) == "0.17", strict=True,
-    reason="0.17: an evicted request's routing repeats the rows before its eviction (unpatched)")
-
-
-@DUPLICATED_ON_017
 @pytest.mark.usefixtures("runtime_patches")
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["caching-off", "caching-on"])
 def test_evicted_requests_return_the_routing_of_every_token(prefix_caching):

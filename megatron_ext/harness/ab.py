@@ -131,7 +131,7 @@ class ABResult:
 
     def _routing_count_failures(self, run: RunRecord) -> list[str]:
         """What a run's per-request routing says on its own (caught where A and B are equally
-        wrong): too few rows (fault R1), too many (0.17, an evicted request), none (fault R3)."""
+        wrong): too few rows (fault R1), too many (fault R3 on 0.17), none (fault R3 on 0.18+)."""
         if "routing_replay" not in self.case.model.features:
             return []
         name, problems = run.eviction_policy or "caching off", []
@@ -140,7 +140,7 @@ class ABResult:
         absent = [label for rid, label in routing_absent(run.outputs) if rid not in run.audit.routing_unrebuilt]
         for labels, label, what in (
                 (short, fault_label(RoutingPerBlockPatch), "whose routing has fewer rows than tokens but the last"),
-                (long, "evicted requests (0.17, no patch)", "whose routing repeats rows (more than tokens but the last)"),
+                (long, fault_label(RoutingEvictedRequestsPatch), "whose routing repeats rows (more than tokens but the last)"),
                 (absent, fault_label(RoutingEvictedRequestsPatch), "that generated tokens but got no routing")):
             if labels:
                 problems.append(f"{label}: run {name}: {len(labels)} requests {what}: {', '.join(labels[:6])}")

@@ -147,8 +147,8 @@ def top_n_miscounted(outputs: dict[int, RequestOutput]) -> list[str]:
 def routing_miscounted(outputs: dict[int, RequestOutput]) -> tuple[list[str], list[str]]:
     """Labels of the requests of one run whose routing (routing replay) is not one row per token
     but the last (``prompt + generated - 1``): ``(short, long)``. Short: fault R1 (a prefix-cached
-    request's matched prefix left out); long: 0.17's merge of an evicted and re-run request repeats
-    the rows before its eviction. Requests without routing or without tokens are not counted."""
+    request's matched prefix left out); long: fault R3 on 0.17 (the merge of an evicted and
+    re-run request repeats the rows before its eviction). Requests without routing or without tokens are not counted."""
     counted = [(o.label, len(o.routing) - (o.prompt_length + len(o.tokens) - 1)) for o in outputs.values()
                if o.routing is not None and o.tokens]
     return [label for label, extra in counted if extra < 0], [label for label, extra in counted if extra > 0]

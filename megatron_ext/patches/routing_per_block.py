@@ -25,9 +25,10 @@ routing in front of what the step recorded:
   positions, and a block is hash-registered only once every token in it was forwarded in its
   current allocation, so what is read was written by the request that computed the block.
 
-Requests seen are remembered per context while they are in it (paused included). Not changed: a
-request evicted by the engine and added again is recomputed and its routing appended again
-(0.17 behaviour, caching on or off).
+Requests seen are remembered per context while they are in it (paused included). A request
+evicted by the engine and added again is a new entry of its record, with routing from position 0
+again (recomputed, or a matched prefix's put in front); merging the entries' routing is fault R3's
+patch (``routing-evicted-requests``).
 """
 
 from __future__ import annotations

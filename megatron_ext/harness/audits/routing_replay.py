@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ...patches.routing_per_block import block_routing
+
 import numpy as np
 
 from .base import AuditLog, Violation
@@ -192,10 +194,11 @@ class RoutingReplayAudit:
         return writes.get(offset) if retired_life == life else None
 
     def end_step(self, allocator: Any) -> None:
-        """After a step: ``len(allocator.block_routing)`` within the pool, no dummy-block entry."""
+        """After a step: ``len(allocator.block_routing)`` within the pool, no dummy-block entry
+        (0.17: the store of fault R1's patch, empty where it is not applied)."""
         routing = getattr(allocator, "block_routing", None)
         if routing is None:
-            return
+            routing = block_routing(allocator)
         self.max_entries = max(self.max_entries, len(routing))
         dummy = int(allocator.dummy_block_idx)
         if len(routing) > int(allocator.total_count) - 1:
