@@ -94,6 +94,7 @@ print("RESULT " + json.dumps({
 
 
 @pytest.mark.slow
+@pytest.mark.breadth  # the shipped hybrid cases (test_hybrid_cases) check restores under every release
 @pytest.mark.parametrize("case, min_blocks, skipped, restores", [
     # r1 resumes r0's Mamba state at token 48: one restore per policy
     ("hybrid_tiny", 3, (48, None), (2, None)),

@@ -69,6 +69,7 @@ def restores(run: dict) -> list[tuple[int, int, int, bool]]:
 
 
 @pytest.mark.slow
+@pytest.mark.breadth  # fix 2 is checked under every release by its unit tests, restores by test_hybrid_chunked
 def test_hybrid_prefix(tmp_path):
     """Restores of prompt-end snapshots at 32 (r1, r3) and 80 (r2); r3's tokens 32-48 and all of
     r4's 16 tokens are recomputed inside hash-matched blocks, so their KV writes go to the dummy

@@ -24,7 +24,8 @@ REQUESTS = int(os.environ.get("MEGATRON_EXT_SOAK_REQUESTS", str(CI_REQUESTS)))
 SEED = int(os.environ.get("MEGATRON_EXT_SOAK_SEED", str(CI_SEED)))
 
 
-@pytest.fixture(scope="module", params=["chunked prefill", "no chunked prefill"])
+@pytest.fixture(scope="module", params=["chunked prefill",  # without chunked prefill: the newest release only
+                                        pytest.param("no chunked prefill", marks=pytest.mark.breadth)])
 def soak(request, tmp_path_factory):
     """``(exit code, JSON)`` of ``megatron-ext soak --requests REQUESTS --seed SEED``, patched,
     with chunked prefill on (the soak's default) and off."""

@@ -8,8 +8,10 @@ subprocess importing that copy:
   ``is_memory_available`` for fix 4, by the recorded source-patched fingerprints for fixes 2,
   6, 7, 8, 9, H1, H7, H8 and H10; by probes of the Mamba slot allocator for H4 and H6; by the context's own
   ``_find_mamba_match_count`` for H5);
-- the unit tests that check the runtime patches pass there without them being applied: the
-  consistency check between runtime and source patches;
+- the unit tests that check the runtime patches pass there without them being applied (the
+  consistency check between runtime and source patches) on the series' newest release; an older
+  release's patched files are byte-identical to the newest's after patching, or their own fix tests
+  run there too (``OLDER_RELEASE_DIFFERENCES``);
 - the default ``ab`` case is bit-identical and audit-clean.
 """
 
@@ -26,7 +28,7 @@ import pytest
 
 from functional_tests.conftest import REPO, SERIES
 from megatron_ext import mcore
-from megatron_ext.source_patches import SourcePatchError, patch_source, tree_version, unpack_release
+from megatron_ext.source_patches import SourcePatchError, patch_source, patches_for, tree_version, unpack_release
 
 WHEELS = REPO / ".venv" / "mcore-wheels"  # pip download cache, outside git
 RELEASES = [r for r in mcore.SUPPORTED_RELEASES if mcore.release_series(r) == SERIES]
@@ -52,9 +54,42 @@ def patched_tree(version: str, tmp_path: Path) -> Path:
     return tree
 
 
+#: Unit-test files of the runtime patches' fixes: run on a source-patched tree, without the runtime patches.
+FIX_TESTS = ("unit_tests/test_release_refcount.py", "unit_tests/test_matched_block_writes.py",
+             "unit_tests/test_faults.py", "unit_tests/test_lru_faults.py",
+             "unit_tests/test_weight_update_invalidation.py", "unit_tests/test_top_n_prefill_chunks.py",
+             "unit_tests/test_deregister_own_hash.py", "unit_tests/test_mamba_chunk_size.py",
+             "unit_tests/test_mamba_snapshot_offsets.py", "unit_tests/test_mamba_slot_exhaustion.py",
+             "unit_tests/test_mamba_match_in_chunk.py", "unit_tests/test_mamba_clamp_restore.py",
+             "unit_tests/test_mamba_conv_carry.py", "unit_tests/test_mamba_continuation_skip.py",
+             "unit_tests/test_mamba_aligned_chunks.py", "unit_tests/test_mamba_decode_no_dummy.py",
+             "unit_tests/test_routing_per_block.py", "unit_tests/test_routing_evicted_requests.py",
+             "unit_tests/test_mla_decode_flag.py", "unit_tests/test_mla_absorbed_weights.py")
+
+#: Files the source patches change that differ between an older release of a series and the newest
+#: one after patching, with the fix tests of that code (run on the older tree too); every other
+#: patched file is byte-identical, so the newest release's fix tests ran its code.
+OLDER_RELEASE_DIFFERENCES = {
+    "0.17.0": {"megatron/core/inference/inference_request.py": ("unit_tests/test_routing_evicted_requests.py",)},
+    "0.18.0": {}, "0.19.0": {},
+}
+
+
+def run_fix_tests(tree: Path, *tests: str) -> None:
+    done = run_with(tree, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout and not re.search(r"\d+ failed", done.stdout)  # "2 xfailed" is no failure
+
+
+def patched_files(version: str) -> list[str]:
+    """The files (``megatron/core/...``) the release's source patches change."""
+    return sorted({line[len("+++ b/"):].strip() for patch in patches_for(version)
+                   for line in patch.read_text().splitlines() if line.startswith("+++ b/")})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("version", RELEASES)
-def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(version, tmp_path):
+def test_source_patched_tree_needs_no_runtime_patch(version, tmp_path):
     tree = patched_tree(version, tmp_path)
     status = run_with(tree, "-m", "megatron_ext", "status", "--json")
     assert status.returncode == 0, status.stderr
@@ -70,19 +105,26 @@ def test_source_patched_tree_needs_no_runtime_patch_and_passes_the_fix_tests(ver
             "mamba-continuation-skip", "mamba-aligned-chunks", "mamba-decode-no-dummy",
             "routing-per-block", "routing-finished-blocks", "routing-evicted-requests",
             "mla-decode-flag", "mla-absorbed-weights")}
-    tests = run_with(tree, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                     "unit_tests/test_release_refcount.py", "unit_tests/test_matched_block_writes.py",
-                     "unit_tests/test_faults.py", "unit_tests/test_lru_faults.py",
-                     "unit_tests/test_weight_update_invalidation.py", "unit_tests/test_top_n_prefill_chunks.py",
-                     "unit_tests/test_deregister_own_hash.py", "unit_tests/test_mamba_chunk_size.py",
-                     "unit_tests/test_mamba_snapshot_offsets.py", "unit_tests/test_mamba_slot_exhaustion.py",
-                     "unit_tests/test_mamba_match_in_chunk.py", "unit_tests/test_mamba_clamp_restore.py",
-                     "unit_tests/test_mamba_conv_carry.py", "unit_tests/test_mamba_continuation_skip.py",
-                     "unit_tests/test_mamba_aligned_chunks.py", "unit_tests/test_mamba_decode_no_dummy.py",
-                     "unit_tests/test_routing_per_block.py", "unit_tests/test_routing_evicted_requests.py",
-                     "unit_tests/test_mla_decode_flag.py", "unit_tests/test_mla_absorbed_weights.py")
-    assert tests.returncode == 0, tests.stdout[-3000:]
-    assert " passed" in tests.stdout and not re.search(r"\d+ failed", tests.stdout)  # "2 xfailed" is no failure
+
+
+@pytest.mark.slow
+def test_source_patched_newest_release_passes_the_fix_tests(tmp_path):
+    run_fix_tests(patched_tree(RELEASES[-1], tmp_path), *FIX_TESTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", RELEASES[:-1])
+def test_older_release_is_patched_to_the_newest_releases_code(version, tmp_path):
+    """The patched files of an older release equal the newest release's after patching, except
+    those of :data:`OLDER_RELEASE_DIFFERENCES`, whose fix tests then pass on the older tree."""
+    older, newest = patched_tree(version, tmp_path / "older"), patched_tree(RELEASES[-1], tmp_path / "newest")
+    files = patched_files(version)
+    assert files == patched_files(RELEASES[-1])
+    differing = [f for f in files if (older / f).read_bytes() != (newest / f).read_bytes()]
+    assert differing == sorted(OLDER_RELEASE_DIFFERENCES[version])
+    tests = sorted({t for f in differing for t in OLDER_RELEASE_DIFFERENCES[version][f]})
+    if tests:
+        run_fix_tests(older, *tests)
 
 
 @pytest.mark.slow

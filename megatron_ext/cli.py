@@ -268,7 +268,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     policies = list(dict.fromkeys(args.policy or ("ref_zero", "lru")))  # a repeated --policy runs once
     tokenizer = resolve_tokenizer(args.tokenizer, args.tokenizer_library)
     case = soak_case(args.requests, args.seed, policies, chunked_prefill=not args.no_chunked_prefill,
-                     update_every=args.update_every, hybrid=args.hybrid, moe=args.moe)
+                     update_every=args.update_every, model=_soak_model(args))
     if tokenizer is not None:
         case, grown = fit_vocab(case, tokenizer.vocab_size)
         if grown:
@@ -290,6 +290,11 @@ def cmd_soak(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"soak": summary, **result.as_json()}, indent=2))
     return result.exit_code()
+
+
+def _soak_model(args: argparse.Namespace) -> str:
+    """The ``soak_case`` model kind of ``soak``'s mutually exclusive model options (``gpt``: none)."""
+    return next((kind for kind in ("hybrid", "moe", "mla", "mtp") if getattr(args, kind)), "gpt")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -519,6 +524,13 @@ def _add_soak(sub: Any) -> None:
     soak_model.add_argument("--moe", action="store_true",
                         help="a mixture-of-experts model (4 experts, top-2, routing replay): the routing replay "
                         "is audited and the allocator's stored block routing reported at its largest")
+    soak_model.add_argument("--mla", action="store_true",
+                        help="a multi-latent attention model (mla_tiny's: latent KV cache, blocks of 64 tokens; "
+                        "megatron-core 0.18 / 0.19): latent writes sent to the dummy block are reported")
+    soak_model.add_argument("--mtp", action="store_true",
+                        help="MTP speculative decoding (mtp_speculative_tiny's model, 2 drafts per step, blocks of "
+                        "8 tokens; megatron-core 0.19): drafts proposed / accepted and the speculative audit are "
+                        "reported (Triton's interpreter on the CPU: the command sets TRITON_INTERPRET=1)")
     p_soak.add_argument("--unpatched", action="store_true",
                         help="run megatron-core as released, without megatron-ext's runtime patches")
     _add_tokenizer_arguments(p_soak, "the generated prompts", "their lengths are then in characters, not "

@@ -66,7 +66,7 @@ def test_dumped_case_file_loads_as_the_same_case(tmp_path):
 def test_hybrid_variant_is_a_small_hybrid_model_with_short_prompts():
     from megatron_ext.harness.soak import SOAK_HYBRID_INFERENCE, SOAK_HYBRID_MODEL
 
-    case = soak_case(2000, seed=0, hybrid=True)
+    case = soak_case(2000, seed=0, model="hybrid")
     assert case.name == "soak-2000-seed0-hybrid"
     assert case.model == SOAK_HYBRID_MODEL and case.model.is_hybrid
     assert case.model.mamba_chunk_size == case.inference.block_size_tokens == 16
@@ -80,17 +80,45 @@ def test_hybrid_variant_is_a_small_hybrid_model_with_short_prompts():
         "System: You are a careful assist", "System: You are a patient tutor.", "System: Reply as a terse code re"}
     assert max(p.num_tokens_to_generate for p in planned) == 3
     assert max(p.arrival_step for p in planned) == 575
-    assert soak_case(12, seed=0, hybrid=True).requests == soak_case(12, seed=0, hybrid=True).requests
-    assert soak_case(100, seed=0) == soak_case(100, seed=0, hybrid=False)  # the GPT soak is unchanged
+    assert soak_case(12, seed=0, model="hybrid").requests == soak_case(12, seed=0, model="hybrid").requests
+    assert soak_case(100, seed=0) == soak_case(100, seed=0, model="gpt")  # the GPT soak is unchanged
 
 
 def test_moe_variant_is_the_soak_workload_on_a_routing_replay_model():
-    case = soak_case(300, seed=3, moe=True)
+    case = soak_case(300, seed=3, model="moe")
     plain = soak_case(300, seed=3)
     assert case.name == "soak-300-seed3-moe" and case.requests == plain.requests
     assert case.inference == plain.inference == SOAK_INFERENCE
     assert (case.model.num_experts, case.model.moe_router_topk, case.model.moe_ffn_hidden_size,
             case.model.params_dtype, case.model.hidden_size) == (4, 2, 64, "fp32", 64)
     assert "routing_replay" in case.model.features and "moe" in case.model.features
-    with pytest.raises(ValueError, match="--hybrid and --moe are two models"):
-        soak_case(10, hybrid=True, moe=True)
+    with pytest.raises(ValueError, match="model 'moe-mla' is none of gpt, hybrid, moe, mla, mtp"):
+        soak_case(10, model="moe-mla")
+
+
+def test_mla_variant_admits_every_request_at_its_arrival_step():
+    from megatron_ext.harness.soak import SOAK_MLA_MODEL
+
+    case = soak_case(40, seed=0, model="mla")
+    assert case.name == "soak-40-seed0-mla" and case.model == SOAK_MLA_MODEL
+    assert (case.inference.block_size_tokens, case.inference.enable_chunked_prefill) == (64, False)
+    planned = plan_requests(case, TOKENIZER)
+    assert len(planned) == 40 and max(len(p.prompt_tokens) for p in planned) == 111  # at most 112
+    # rollout samples arrive one per step; 1 in 4 rollout prompts is a whole number of blocks
+    rollouts = [s for s in case.requests if not s.prefix and not s.conversation]
+    assert all(s.samples == 1 for s in rollouts)
+    assert sorted({len(s.prompt) for s in rollouts if len(s.prompt) % 64 == 0}) == [64]
+    # sized by fit_without_waiting: 16 requests live at most, 27 blocks of 64 latent tokens (bf16,
+    # 2 layers x 40 channels) + the dummy block
+    assert (case.inference.max_requests, case.inference.max_tokens) == (16, 1024)
+    assert case.inference.buffer_size_gb * 1024**3 == 28 * 2 * 2 * 64 * 40
+
+
+def test_mtp_variant_is_the_soak_workload_with_two_drafts_per_step():
+    from megatron_ext.harness.soak import MTP_MAX_GENERATED_TOKENS, SOAK_MTP_INFERENCE, SOAK_MTP_MODEL
+
+    case = soak_case(40, seed=0, model="mtp")
+    assert case.name == "soak-40-seed0-mtp" and (case.model, case.inference) == (SOAK_MTP_MODEL, SOAK_MTP_INFERENCE)
+    assert case.inference.num_speculative_tokens == 2 and case.model.features == ["mtp"]
+    assert [s.prompt for s in case.requests] == [s.prompt for s in soak_case(40, seed=0).requests]
+    assert max(s.num_tokens_to_generate for s in case.requests) <= MTP_MAX_GENERATED_TOKENS == 16

@@ -22,11 +22,13 @@ word list (the byte tokenizer maps one character to one token).
 
 from __future__ import annotations
 
+import dataclasses
 import random
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 from pydantic import ValidationError
 
+from .cases import load_case
 from .cases.schema import (Case, CaseFileError, Expectations, InferenceSpec, ModelSpec, RequestSpec,
                            WeightUpdateSpec, describe_validation_error, turn_prompts)
 
@@ -75,6 +77,84 @@ SOAK_HYBRID_INFERENCE = InferenceSpec(block_size_tokens=16, buffer_size_gb=224 *
 #: under Triton's interpreter on the CPU, seconds per engine step, so the workload is short and dense.
 HYBRID_MAX_PROMPT_TOKENS, HYBRID_MAX_GENERATED_TOKENS, HYBRID_MEAN_ARRIVAL_GAP_STEPS = 64, 3, 1.0
 
+#: ``soak --mla``: the shipped ``mla_tiny`` case's multi-latent attention model (bf16; a latent KV
+#: cache of kv_lora_rank 32 + qk_pos_emb_head_dim 8 channels per token and layer, query/KV norms).
+SOAK_MLA_MODEL = load_case("mla_tiny").model
+
+#: ``soak --mla``: blocks of 64 tokens (megatron-core's latent cache asserts it), whole prompts in one
+#: step (no chunked prefill). :func:`soak_case` sizes ``max_requests``, ``max_tokens`` and the pool to
+#: the workload (:func:`fit_without_waiting`): every request is admitted at its arrival step with
+#: caching on and off, so both runs prefill the same requests in the same steps and a decode-only
+#: step (absorbed-query attention over the latent cache) is decode-only in both; a step that also
+#: prefills decodes over uncompressed keys and values, equal in exact arithmetic but not in bits
+#: (docs/ab.md, multi-latent attention).
+SOAK_MLA_INFERENCE = InferenceSpec(block_size_tokens=64, buffer_size_gb=33 * 10240 / 1024**3, max_requests=16,
+                                   max_tokens=1024, max_sequence_length=128)
+
+#: ``soak --mtp``: the shipped ``mtp_speculative_tiny`` case's model: 2 layers and 1 MTP layer applied
+#: at both draft depths (``mtp_use_repeated_layer``), fp32, seed 8 (random weights whose drafts are
+#: sometimes accepted).
+SOAK_MTP_MODEL = load_case("mtp_speculative_tiny").model
+
+#: ``soak --mtp``: 2 draft tokens per decode step, blocks of 8 tokens (so drafts often cross into a
+#: block the rollback drops), 64-token prefill chunks, a pool of 96 blocks (fp32, 2 layers x K,V x
+#: 32 channels x 8 tokens = 4 KiB a block; megatron-core adds one dummy block), up to 16 requests.
+SOAK_MTP_INFERENCE = InferenceSpec(block_size_tokens=8, buffer_size_gb=97 * 4096 / 1024**3, max_requests=16,
+                                   max_tokens=64, max_sequence_length=256, enable_chunked_prefill=True,
+                                   num_speculative_tokens=2)
+
+#: ``soak --mtp``: the most tokens a request generates.
+MTP_MAX_GENERATED_TOKENS = 16
+
+
+class _Shape(NamedTuple):
+    """A soak model's request shapes.
+
+    Attributes:
+        longest: longest prompt (tokens); most_generated: most generated tokens per request;
+        gap: mean gap between the arrivals of two groups (engine steps);
+        longest_turn_interval: most steps between two turns of a conversation;
+        cut_system_prompts: system prompts cut to half the prompt budget;
+        aligned_block: rollout prompts are a whole number of blocks of this many tokens 1 time in
+            4 (0: never), so their later samples match every block and recompute tokens inside the
+            last one (fix 2's trigger);
+        one_arrival_per_step: at most one new group and one rollout sample arrive per engine step
+            (a rollout's samples arrive on consecutive steps, later groups after its last sample's step);
+        short, short_share: this share of the prompts and messages are at most ``short`` tokens,
+            the rest longer.
+    """
+
+    longest: int
+    most_generated: int
+    gap: float
+    longest_turn_interval: int
+    cut_system_prompts: bool
+    aligned_block: int = 0
+    one_arrival_per_step: bool = False
+    short: int = SHORT_TOKENS
+    short_share: float = 0.75
+
+
+_GPT_SHAPE = _Shape(MAX_PROMPT_TOKENS, MAX_GENERATED_TOKENS, MEAN_ARRIVAL_GAP_STEPS, 12, False)
+
+#: ``soak_case(model=...)`` -> (model, inference, request shapes); the CLI's ``--hybrid``, ``--moe``,
+#: ``--mla``, ``--mtp`` (``gpt``: none of them).
+SOAK_MODELS: dict[str, tuple[ModelSpec, InferenceSpec, _Shape]] = {
+    "gpt": (SOAK_MODEL, SOAK_INFERENCE, _GPT_SHAPE),
+    "hybrid": (SOAK_HYBRID_MODEL, SOAK_HYBRID_INFERENCE,
+               _Shape(HYBRID_MAX_PROMPT_TOKENS, HYBRID_MAX_GENERATED_TOKENS, HYBRID_MEAN_ARRIVAL_GAP_STEPS, 2, True)),
+    "moe": (SOAK_MOE_MODEL, SOAK_INFERENCE, _GPT_SHAPE),
+    "mla": (SOAK_MLA_MODEL, SOAK_MLA_INFERENCE, _Shape(112, MAX_GENERATED_TOKENS, MEAN_ARRIVAL_GAP_STEPS, 12, False, aligned_block=64, one_arrival_per_step=True, short=64, short_share=0.0)),
+    "mtp": (SOAK_MTP_MODEL, SOAK_MTP_INFERENCE, _GPT_SHAPE._replace(most_generated=MTP_MAX_GENERATED_TOKENS)),
+}
+
+_DESCRIPTIONS = {
+    "gpt": "48-block KV pool.", "moe": "48-block KV pool.",
+    "hybrid": "hybrid M*M model, Mamba prefix cache.",
+    "mla": "multi-latent attention model, latent KV cache in blocks of 64 tokens.",
+    "mtp": "MTP speculative decoding (2 drafts per step), blocks of 8 tokens.",
+}
+
 _WORDS = (
     "the a of to and in is it that for on with as was at by be this from or an are not have which "
     "river water block cache token prompt model layer engine request sample batch memory pool "
@@ -103,11 +183,11 @@ def _text(rng: random.Random, length: int) -> str:
     return " ".join(words)[:length]
 
 
-def _length(rng: random.Random, longest: int) -> int:
-    """A length in [1, longest]: 3 in 4 at most :data:`SHORT_TOKENS`, the rest above."""
-    if longest <= SHORT_TOKENS or rng.random() < 0.75:
-        return rng.randint(1, min(longest, SHORT_TOKENS))
-    return rng.randint(SHORT_TOKENS + 1, longest)
+def _length(rng: random.Random, longest: int, short: int = SHORT_TOKENS, short_share: float = 0.75) -> int:
+    """A length in [1, longest]: ``short_share`` of them at most ``short``, the rest above."""
+    if longest <= short or rng.random() < short_share:
+        return rng.randint(1, min(longest, short))
+    return rng.randint(short + 1, longest)
 
 
 def soak_case(
@@ -116,89 +196,69 @@ def soak_case(
     policies: Sequence[str] = ("ref_zero", "lru"),
     chunked_prefill: bool = True,
     update_every: Optional[int] = None,
-    hybrid: bool = False,
-    moe: bool = False,
+    model: str = "gpt",
 ) -> Case:
     """A reproducible soak workload of exactly ``requests`` engine requests.
 
     Args:
         requests: number of engine requests (samples and conversation turns each count one), >= 1.
-        seed: seed of the generator; the same ``(requests, seed, policies)`` gives the same case.
+        seed: seed of the generator; the same ``(requests, seed, policies, model)`` gives the same case.
         policies: prefix-caching eviction policies to run B with (``ref_zero``, ``lru``).
         chunked_prefill: megatron-core's ``enable_chunked_prefill``. Off, prompts longer than a
             step's token budget cannot be admitted, so ``max_tokens`` is raised to 256 (every
             prompt then prefills in one step); the workload is the same.
         update_every: a weight update every this many engine steps (:func:`with_weight_updates`).
-        hybrid: a hybrid (Mamba + attention) model (:data:`SOAK_HYBRID_MODEL`,
-            :data:`SOAK_HYBRID_INFERENCE`) and shorter requests (prompts of at most
-            :data:`HYBRID_MAX_PROMPT_TOKENS` tokens, 2-:data:`HYBRID_MAX_GENERATED_TOKENS`
-            generated tokens, groups every :data:`HYBRID_MEAN_ARRIVAL_GAP_STEPS` steps on average,
-            1-2 steps between turns); the same kinds of groups (rollouts, conversations, questions
-            under the shared system prompts, cut to half the prompt budget). Needs Triton's
-            interpreter on the CPU (``TRITON_INTERPRET=1 MAMBA_DETERMINISTIC=1``).
-        moe: the mixture-of-experts model :data:`SOAK_MOE_MODEL` (routing replay audited; the
-            figures give the allocator's stored block routing at its largest). Not with ``hybrid``.
+        model: one of :data:`SOAK_MODELS` (the ``soak`` options ``--hybrid``, ``--moe``, ``--mla``,
+            ``--mtp``; ``gpt`` without one):
+
+            * ``gpt``: :data:`SOAK_MODEL`, :data:`SOAK_INFERENCE`;
+            * ``hybrid``: a hybrid (Mamba + attention) model (:data:`SOAK_HYBRID_MODEL`,
+              :data:`SOAK_HYBRID_INFERENCE`) and shorter requests (prompts of at most
+              :data:`HYBRID_MAX_PROMPT_TOKENS` tokens, 2-:data:`HYBRID_MAX_GENERATED_TOKENS`
+              generated tokens, groups every :data:`HYBRID_MEAN_ARRIVAL_GAP_STEPS` steps on average,
+              1-2 steps between turns); the same kinds of groups (rollouts, conversations, questions
+              under the shared system prompts, cut to half the prompt budget). Needs Triton's
+              interpreter on the CPU (``TRITON_INTERPRET=1 MAMBA_DETERMINISTIC=1``);
+            * ``moe``: the mixture-of-experts model :data:`SOAK_MOE_MODEL` (routing replay audited;
+              the figures give the allocator's stored block routing at its largest), the GPT
+              workload and pool;
+            * ``mla``: multi-latent attention, :data:`SOAK_MLA_MODEL` and :data:`SOAK_MLA_INFERENCE`
+              (see there for why its steps keep one kind with caching on and off), the GPT workload;
+            * ``mtp``: MTP speculative decoding, :data:`SOAK_MTP_MODEL` and :data:`SOAK_MTP_INFERENCE`,
+              the GPT workload with :data:`MTP_MAX_GENERATED_TOKENS` generated tokens at most. Needs
+              Triton's interpreter on the CPU (``TRITON_INTERPRET=1``).
 
     Returns:
-        A :class:`Case` named ``soak-<requests>-seed<seed>`` (``-hybrid`` for a hybrid model;
-        chunked prefill as asked), a 48-block KV pool (:data:`SOAK_INFERENCE`; hybrid:
-        :data:`SOAK_HYBRID_INFERENCE`) and the expectations of a soak: bit-identical, at least one
-        matched block.
+        A :class:`Case` named ``soak-<requests>-seed<seed>`` (``-<model>`` for a model other than
+        ``gpt``; chunked prefill as asked), the model's KV pool and the expectations of a soak:
+        bit-identical, at least one matched block.
 
     Raises:
-        ValueError: ``requests`` < 1, or both ``hybrid`` and ``moe``.
+        ValueError: ``requests`` < 1, or ``model`` not in :data:`SOAK_MODELS`.
         CaseFileError: unknown policy (the case schema refuses it, naming the field).
     """
     if requests < 1:
         raise ValueError(f"soak: --requests must be >= 1, got {requests}")
-    if hybrid and moe:
-        raise ValueError("soak: --hybrid and --moe are two models; pick one")
-    longest, most_generated, gap = ((HYBRID_MAX_PROMPT_TOKENS, HYBRID_MAX_GENERATED_TOKENS, HYBRID_MEAN_ARRIVAL_GAP_STEPS)
-                                    if hybrid else (MAX_PROMPT_TOKENS, MAX_GENERATED_TOKENS, MEAN_ARRIVAL_GAP_STEPS))
-    system_prompts = tuple(s[:longest // 2] for s in _SYSTEM_PROMPTS) if hybrid else _SYSTEM_PROMPTS
-    rng = random.Random(f"megatron-ext soak {seed}")
-    specs: list[RequestSpec] = []
-    left, arrival = requests, 0.0
-    while left:
-        kind = rng.random()
-        step = int(arrival)
-        generate = rng.randint(2, most_generated)
-        if kind < 0.45:  # RL rollout: one prompt sampled N times, admitted together
-            samples = min(left, rng.randint(2, 8))
-            prompt = _text(rng, _length(rng, longest))
-            specs.append(RequestSpec(prompt=prompt, samples=samples, arrival_step=step,
-                                     num_tokens_to_generate=generate))
-            left -= samples
-        elif kind < 0.80:  # multi-turn conversation: turn k's prompt extends turn k-1's
-            turns = min(left, rng.randint(2, 4))
-            budget = longest // (2 * turns - 1)  # the last turn holds 2*turns-1 messages
-            messages = [("User: " if k % 2 == 0 else "Assistant: ") + _text(rng, _length(rng, max(1, budget - 12))) + "\n"
-                        for k in range(2 * turns - 1)]
-            specs.append(RequestSpec(conversation=messages, turn_interval=rng.randint(1, 2 if hybrid else 12),
-                                     arrival_step=step, num_tokens_to_generate=generate))
-            left -= turns
-        else:  # a question under a shared system prompt
-            system = rng.choice(system_prompts)
-            question = "User: " + _text(rng, _length(rng, longest - len(system) - 7)) + "\n"
-            specs.append(RequestSpec(prefix=system, prompt=question, arrival_step=step,
-                                     num_tokens_to_generate=generate))
-            left -= 1
-        arrival += rng.expovariate(1.0 / gap)
-    base = SOAK_HYBRID_INFERENCE if hybrid else SOAK_INFERENCE
+    if model not in SOAK_MODELS:
+        raise ValueError(f"soak: model {model!r} is none of {', '.join(SOAK_MODELS)}")
+    spec, base, shape = SOAK_MODELS[model]
+    specs = _workload(requests, seed, shape)
     inference = base if chunked_prefill else base.model_copy(
-        update={"enable_chunked_prefill": False, "max_tokens": 256})
+        update={"enable_chunked_prefill": False, "max_tokens": max(256, base.max_tokens)})
+    if shape.one_arrival_per_step:  # a workload that must never wait (MLA): the engine sized to it
+        inference = fit_without_waiting(inference, specs, spec)
     updates = None
     if update_every is not None:
         specs, updates = with_weight_updates(specs, update_every, seed)
     try:
         return Case(
-            name=f"soak-{requests}-seed{seed}" + ("-hybrid" if hybrid else "") + ("-moe" if moe else "") + ("" if chunked_prefill else "-unchunked")
+            name=f"soak-{requests}-seed{seed}" + ("" if model == "gpt" else f"-{model}")
+            + ("" if chunked_prefill else "-unchunked")
             + ("" if update_every is None else f"-update-every-{update_every}"),
             weight_updates=updates,
             description=f"Generated soak workload: {requests} requests (RL rollouts, multi-turn "
-                        f"conversations, shared system prompts), seed {seed}, "
-                        + ("hybrid M*M model, Mamba prefix cache." if hybrid else "48-block KV pool."),
-            model=SOAK_HYBRID_MODEL if hybrid else SOAK_MOE_MODEL if moe else SOAK_MODEL,
+                        f"conversations, shared system prompts), seed {seed}, " + _DESCRIPTIONS[model],
+            model=spec,
             inference=inference,
             prefix_caching_eviction_policies=list(policies),
             requests=specs,
@@ -207,6 +267,91 @@ def soak_case(
         )
     except ValidationError as exc:
         raise CaseFileError(f"soak: {describe_validation_error(exc)}") from None
+
+
+#: Bytes of one element of the KV cache per ``params_dtype``.
+_DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+
+
+def fit_without_waiting(inference: InferenceSpec, specs: Sequence[RequestSpec], model: ModelSpec) -> InferenceSpec:
+    """``inference`` with ``max_requests``, ``max_tokens`` and the KV pool (``buffer_size_gb``) just
+    large enough that no request of ``specs`` ever waits: each is admitted at its arrival step and
+    runs its ``num_tokens_to_generate`` steps (arrival to last token) without pausing.
+
+    A request of ``P`` prompt tokens (one per byte: the byte tokenizer; a subword tokenizer gives
+    fewer) generating ``g`` is counted, from its arrival step through its ``g``-th step, as one
+    request, ``ceil((P + g) / block_size_tokens)`` blocks (at least what megatron-core allocates for
+    it at any time) and one token, ``P`` in its arrival step. The bounds are the largest sums over
+    any step, so they hold with prefix caching off (every request holding its own blocks) and on
+    (shared and cached blocks only lower what must come from the free pool). Not for chunked
+    prefill (a prompt would take several steps). One dummy block is added to the pool; a latent
+    block (multi-latent attention) is ``layers x block x (kv_lora_rank + qk_pos_emb_head_dim)``
+    elements, another block ``layers x block x 2 x hidden_size`` (keys and values).
+    """
+    block = inference.block_size_tokens
+    live: dict[int, list[int]] = {}  # step -> [requests, blocks, tokens]
+    for spec in specs:
+        g = spec.num_tokens_to_generate
+        for turn, text in enumerate(turn_prompts(spec)):
+            prompt = len((spec.prefix + text).encode())
+            arrival = spec.arrival_step + turn * spec.turn_interval
+            for step in range(arrival, arrival + g):
+                row = live.setdefault(step, [0, 0, 0])
+                row[0] += spec.samples
+                row[1] += spec.samples * -(-(prompt + g) // block)
+                row[2] += spec.samples * (prompt if step == arrival else 1)
+    requests, blocks, tokens = (max(row[k] for row in live.values()) for k in range(3))
+    channels = (model.kv_lora_rank + model.qk_pos_emb_head_dim if model.multi_latent_attention
+                else 2 * model.hidden_size)
+    block_bytes = _DTYPE_BYTES[model.params_dtype] * model.num_layers * block * channels
+    # rounded up to 256: megatron-core pads a step's token count and asserts the padded count fits max_tokens
+    return inference.model_copy(update={"max_requests": requests, "max_tokens": max(inference.max_tokens, -(-tokens // 256) * 256),
+                                        "buffer_size_gb": (blocks + 1) * block_bytes / 1024**3})
+
+
+def _workload(requests: int, seed: int, shape: _Shape) -> list[RequestSpec]:
+    """The request groups of :func:`soak_case`: exactly ``requests`` engine requests of ``shape``."""
+    system_prompts = tuple(s[:shape.longest // 2] for s in _SYSTEM_PROMPTS) if shape.cut_system_prompts \
+        else _SYSTEM_PROMPTS
+    rng = random.Random(f"megatron-ext soak {seed}")
+    specs: list[RequestSpec] = []
+    left, arrival, free_step = requests, 0.0, 0
+    while left:
+        kind = rng.random()
+        step = max(int(arrival), free_step) if shape.one_arrival_per_step else int(arrival)
+        generate = rng.randint(2, shape.most_generated)
+        if kind < 0.45:  # RL rollout: one prompt sampled N times, admitted together
+            samples = min(left, rng.randint(2, 8))
+            length = _length(rng, shape.longest, shape.short, shape.short_share)
+            if shape.aligned_block and rng.random() < 0.25:
+                length = shape.aligned_block * rng.randint(1, shape.longest // shape.aligned_block)
+            prompt = _text(rng, length)
+            if shape.one_arrival_per_step:  # one sample a step: none held back behind a sibling's prefill
+                specs.extend(RequestSpec(prompt=prompt, arrival_step=step + k, num_tokens_to_generate=generate)
+                             for k in range(samples))
+            else:
+                specs.append(RequestSpec(prompt=prompt, samples=samples, arrival_step=step,
+                                         num_tokens_to_generate=generate))
+            free_step = step + samples
+            left -= samples
+        elif kind < 0.80:  # multi-turn conversation: turn k's prompt extends turn k-1's
+            turns = min(left, rng.randint(2, 4))
+            budget = shape.longest // (2 * turns - 1)  # the last turn holds 2*turns-1 messages
+            messages = [("User: " if k % 2 == 0 else "Assistant: ") + _text(rng, _length(rng, max(1, budget - 12), shape.short, shape.short_share)) + "\n"
+                        for k in range(2 * turns - 1)]
+            specs.append(RequestSpec(conversation=messages, turn_interval=rng.randint(1, shape.longest_turn_interval),
+                                     arrival_step=step, num_tokens_to_generate=generate))
+            free_step = step + 1
+            left -= turns
+        else:  # a question under a shared system prompt
+            system = rng.choice(system_prompts)
+            question = "User: " + _text(rng, _length(rng, shape.longest - len(system) - 7, shape.short, shape.short_share)) + "\n"
+            specs.append(RequestSpec(prefix=system, prompt=question, arrival_step=step,
+                                     num_tokens_to_generate=generate))
+            free_step = step + 1
+            left -= 1
+        arrival += rng.expovariate(1.0 / shape.gap)
+    return specs
 
 
 #: Standard deviation of the noise of a ``soak --update-every`` weight update.
@@ -244,7 +389,12 @@ def with_weight_updates(specs: list[RequestSpec], every: int, seed: int
 
 def soak_summary(result: "ABResult") -> dict[str, Any]:
     """The soak's figures per run: requests, engine steps, seconds, prefix-cache counters and KV
-    pool pressure (``peak_pool_use`` is ``"held/total"`` blocks), megatron-core's error if any."""
+    pool pressure (``peak_pool_use`` is ``"held/total"`` blocks), megatron-core's error if any;
+    per model: Mamba restores (hybrid), routing replay (MoE), the KV-write audit's latent writes
+    (MLA: ``kv_writes_checked``, ``kv_writes_redirected`` to the dummy block), the speculative
+    audit (MTP: ``drafts`` proposed / accepted / rejected / rejected_across_block /
+    accepted_across_block, ``draft_block_violations``: hash-registered blocks holding drafts,
+    ``spec_rewind_violations``: rollbacks leaving the bookkeeping broken)."""
     runs = [("caching off", result.baseline)] + [(p.policy, p.run) for p in result.policies]
     out: dict[str, Any] = {"case": result.case.name, "requests": len(result.baseline.outputs),
                            "megatron_core_version": result.megatron_core_version,
@@ -262,18 +412,31 @@ def soak_summary(result: "ABResult") -> dict[str, Any]:
             "refcount_violations": run.audit.refcount_violations,
             "lru_violations": run.audit.lru_violations,
             "stale_hits": run.audit.stale_hits,
-            **({} if not result.case.model.is_hybrid else {
-                "mamba_restores": run.audit.mamba_restores, "mamba_restores_failed": run.audit.mamba_restores_failed,
-                "mamba_restore_violations": run.audit.mamba_restore_violations,
-                "kv_writes_redirected": run.audit.kv_writes_redirected}),
-            **({} if "routing_replay" not in result.case.model.features else {
-                "routing_tokens_checked": run.audit.routing_tokens_checked,
-                "routing_replay_violations": run.audit.routing_replay_violations,
-                "block_routing_max_entries": run.audit.block_routing_max_entries}),
+            **_model_figures(result.case, run.audit),
             "weight_updates": len(run.updates),
             "error": run.error,
         }
     return out
+
+
+def _model_figures(case: Case, audit: Any) -> dict[str, Any]:
+    """The audit figures of the model's own paths (see :func:`soak_summary`)."""
+    figures: dict[str, Any] = {}
+    if case.model.is_hybrid:
+        figures.update(mamba_restores=audit.mamba_restores, mamba_restores_failed=audit.mamba_restores_failed,
+                       mamba_restore_violations=audit.mamba_restore_violations,
+                       kv_writes_redirected=audit.kv_writes_redirected)
+    if "routing_replay" in case.model.features:
+        figures.update(routing_tokens_checked=audit.routing_tokens_checked,
+                       routing_replay_violations=audit.routing_replay_violations,
+                       block_routing_max_entries=audit.block_routing_max_entries)
+    if case.model.multi_latent_attention:
+        figures.update(kv_writes_checked=audit.kv_writes_checked, kv_writes_redirected=audit.kv_writes_redirected)
+    if case.inference.num_speculative_tokens:
+        kinds = audit.violations_by_kind
+        figures.update(drafts=dataclasses.asdict(audit.drafts), draft_block_violations=kinds.get("draft_block", 0),
+                       spec_rewind_violations=kinds.get("spec_rewind", 0))
+    return figures
 
 
 def soak_lines(summary: dict[str, Any]) -> list[str]:
@@ -288,6 +451,12 @@ def soak_lines(summary: dict[str, Any]) -> list[str]:
            if "mamba_restores" in run else "")
         + (f", stored block routing at most {run['block_routing_max_entries']} blocks"
            if "block_routing_max_entries" in run else "")
+        + (f", {run['kv_writes_redirected']} of {run['kv_writes_checked']} latent writes sent to the dummy block"
+           if "kv_writes_checked" in run else "")
+        + (f", drafts {run['drafts']['accepted']}/{run['drafts']['proposed']} accepted, "
+           f"{run['drafts']['rejected_across_block']} rejections across a block boundary, "
+           f"{run['draft_block_violations']} registered blocks holding drafts"
+           if "drafts" in run else "")
         + (f"; megatron-core raised: {run['error']}" if run["error"] else "")
         for name, run in summary["runs"].items()
     ]
