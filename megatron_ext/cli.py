@@ -9,7 +9,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, NoReturn, Optional, Sequence
 
 from rich.table import Table
 
@@ -394,9 +394,18 @@ def _add_output_arguments(parser: argparse.ArgumentParser, *flags: str, json_wri
         parser.add_argument(flag, **options)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (and its subcommands': ``add_subparsers`` builds them of this class) whose
+    usage errors are one line on stderr, exit 2: the problem, then where the options are listed
+    (argparse prints its usage block first, which a log shows as noise above the error)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; `{self.prog} --help` lists the options\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``megatron-ext`` argument parser, one subcommand per ``_add_*`` function below."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="megatron-ext",
         description="Prefix-caching fixes and bit-identity checks for megatron-core's dynamic inference.",
     )

@@ -70,6 +70,23 @@ def test_width_below_forty_is_an_argument_error(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, line", [
+    (["soak", "--mla", "--moe"], "megatron-ext soak: error: argument --moe: not allowed with argument --mla"),
+    (["soak", "--policy", "bogus"],
+     "megatron-ext soak: error: argument --policy: invalid choice: 'bogus' (choose from 'ref_zero', 'lru')"),
+    (["ab", "--no-such-option"], "megatron-ext: error: unrecognized arguments: --no-such-option"),
+    (["frobnicate"], "megatron-ext: error: argument command: invalid choice: 'frobnicate' (choose from "
+                     "'status', 'ab', 'save-checkpoint', 'soak', 'compare', 'patch-source')"),
+])
+def test_usage_error_is_one_line_naming_where_the_options_are(args, line, capsys):
+    """argparse's errors: one line (no usage block above it), the problem and the command's --help, exit 2."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(args)
+    assert exit_.value.code == 2
+    prog = line.split(": error:")[0]
+    assert capsys.readouterr().err.splitlines() == [f"{line}; `{prog} --help` lists the options"]
+
+
 def test_plot_in_a_format_matplotlib_cannot_write_exits_2_before_running(tmp_path, nothing_runs, capsys):
     assert cli.main(["ab", "--plot", str(tmp_path / "delta.txt"), "--no-progress"]) == 2
     line = one_error_line(capsys)

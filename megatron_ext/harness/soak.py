@@ -445,7 +445,7 @@ def soak_lines(summary: dict[str, Any]) -> list[str]:
         f"soak {name}: {summary['requests']} requests, {run['engine_steps']} engine steps, "
         f"{run['wall_s']} s, {run['blocks_matched']} blocks matched, peak pool use "
         f"{run['peak_pool_use']} blocks, {run['requests_paused']} requests paused "
-        f"(peak {run['peak_paused_requests']} at once), {run['requests_evicted']} requests "
+        f"after a step (peak {run['peak_paused_requests']} at once), {run['requests_evicted']} requests "
         f"evicted, {run['cached_blocks_evicted']} cached blocks evicted"
         + (f", {run['mamba_restores']} Mamba restores ({run['mamba_restores_failed']} failed)"
            if "mamba_restores" in run else "")
@@ -455,7 +455,8 @@ def soak_lines(summary: dict[str, Any]) -> list[str]:
            if "kv_writes_checked" in run else "")
         + (f", drafts {run['drafts']['accepted']}/{run['drafts']['proposed']} accepted, "
            f"{run['drafts']['rejected_across_block']} rejections across a block boundary, "
-           f"{run['draft_block_violations']} registered blocks holding drafts"
+           f"{run['draft_block_violations']} registered blocks holding drafts, "
+           f"{run['spec_rewind_violations']} rollbacks leaving the bookkeeping broken"
            if "drafts" in run else "")
         + (f"; megatron-core raised: {run['error']}" if run["error"] else "")
         for name, run in summary["runs"].items()

@@ -43,7 +43,8 @@ class PoolPressure:
         peak_blocks_not_free: the most blocks outside the free pool (held or cached).
         peak_paused_requests: the most requests paused at once (no KV block for their next token).
         steps_with_paused_requests: steps after which some request was paused.
-        requests_paused: distinct requests ever paused.
+        requests_paused: distinct requests left paused after some step (a request megatron-core
+            pauses and evicts within one ``update_requests`` counts under ``requests_evicted`` only).
         cached_blocks_evicted: cached blocks evicted by LRU to make room (0 with caching off).
         blocks_deregistered_at_ref_zero: cached blocks dropped when their ref count reached
             zero (REF_ZERO; 0 with caching off).
