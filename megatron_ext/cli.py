@@ -510,8 +510,8 @@ def _add_soak(sub: Any) -> None:
     p_soak = sub.add_parser(
         "soak", help="ab on a generated workload of many requests sharing prefixes, under KV pressure",
         description="Generates a reproducible workload (megatron_ext/harness/soak.py: RL rollouts, multi-turn "
-        "conversations, shared system prompts; Poisson arrivals; chunked prefill; a 48-block KV pool "
-        "that pauses requests and makes LRU evict) and runs it as 'ab' does: caching off once, on "
+        "conversations, shared system prompts; Poisson arrivals; without a model option chunked prefill and a 48-block KV pool "
+        "that pauses requests and makes LRU evict; each model option says its own) and runs it as 'ab' does: caching off once, on "
         "once per policy. Exit codes as 'ab'. Cost on one CPU core: about 0.3 s per request for the "
         "caching-off run and 0.2 s per caching-on run (2000 requests, both policies: 15-20 minutes).")
     p_soak.add_argument("--requests", type=_positive_int, default=2000, metavar="N",
@@ -534,8 +534,8 @@ def _add_soak(sub: Any) -> None:
                         help="a mixture-of-experts model (4 experts, top-2, routing replay): the routing replay "
                         "is audited and the allocator's stored block routing reported at its largest")
     soak_model.add_argument("--mla", action="store_true",
-                        help="a multi-latent attention model (mla_tiny's: latent KV cache, blocks of 64 tokens; "
-                        "megatron-core 0.18 / 0.19): latent writes sent to the dummy block are reported")
+                        help="a multi-latent attention model (mla_tiny's: latent KV cache, blocks of 64 tokens, no "
+                        "chunked prefill, a pool sized so no request waits; megatron-core 0.18 / 0.19): latent writes sent to the dummy block are reported")
     soak_model.add_argument("--mtp", action="store_true",
                         help="MTP speculative decoding (mtp_speculative_tiny's model, 2 drafts per step, blocks of "
                         "8 tokens; megatron-core 0.19): drafts proposed / accepted and the speculative audit are "
