@@ -86,5 +86,8 @@ def test_a_latent_write_into_a_matched_block_is_fault_2_unless_patched(patched):
             assert kinds == [("kv_write", 0, shared[1], 2)]
             assert audit.violations[0].detail == f"request 2 wrote KV into block {shared[1]}, obtained by hash match"
             assert audit.kv_writes.kv_writes_redirected == 0
+            # request 2's recomputed latents overwrote request 1's in the shared block
+            assert torch.equal(ctx.memory_buffer[0, shared[1], BLOCK - RECOMPUTED:],
+                               latents[2 * BLOCK:2 * BLOCK + RECOMPUTED, 0])
             assert FAULT_OF_KIND["kv_write"] == "fault 2 (matched-block-writes)"
         assert audit.kv_writes.kv_writes_checked == 2 * BLOCK + RECOMPUTED

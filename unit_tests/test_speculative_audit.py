@@ -1,6 +1,7 @@
 """The speculative-decoding audit (harness/audits/speculative.py) on megatron-core's real engine
 (``mtp_speculative_tiny`` with one draft per step, every release 0.17-0.19) and on deliberately
-broken variants: a block holding only drafts registered early, and a rollback that never happens.
+broken variants: a block holding only drafts registered early, a block of accepted tokens registered
+under a wrong hash, and a rollback that never happens.
 Each runs in a fresh interpreter under Triton's interpreter (``scripts/probes/speculative_audit.py``)."""
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ def test_draft_block_registered_early_is_named():
         "draft_block", 2, 510, 0,
         "block 510 (entry 3 of request 0, positions 24-31) is hash-registered but holds 8 positions past the "
         "request's 24 accepted tokens (drafts or nothing)"]]
+    assert probe["runs"]["off"]["counts"] == {"draft_block": 0, "spec_rewind": 0}
+
+
+def test_block_registered_under_a_wrong_hash_is_named():
+    """A complete block of accepted tokens registered again under a made-up hash: named every step the
+    request holds it (13 steps), never with caching off (no hash map)."""
+    probe = run_triton_probe("speculative_audit", "wrong_hash")
+    assert probe["injected"] == {"step": 0, "block": 514, "request_id": 3}
+    run = probe["runs"]["ref_zero"]
+    assert run["counts"] == {"draft_block": 13, "spec_rewind": 0}
+    assert run["first"]["draft_block"] == [[
+        "draft_block", step, 514, 3, "block 514 (entry 0 of request 3) is registered under a hash that is not "
+        "the chain hash of the accepted tokens it holds"] for step in (0, 1, 2)]
     assert probe["runs"]["off"]["counts"] == {"draft_block": 0, "spec_rewind": 0}
 
 

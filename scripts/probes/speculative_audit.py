@@ -10,10 +10,13 @@ repeated MTP layer: every release 0.17-0.19 runs it), prefix caching on (REF_ZER
 * ``early_register``: after the first engine step at which a decoding request holds a block past
   its accepted tokens (a block the drafts opened), that block is registered with a hash
   (``register_kv_block_hashes``) before its tokens are accepted, as a broken engine would;
+* ``wrong_hash``: after the first engine step at which a decoding request holds a complete block of
+  accepted tokens, that block is registered again under a hash that is not the chain hash of its
+  tokens, as an engine hashing the wrong tokens would;
 * ``no_rewind``: ``TextGenerationController._rewind_kv_cache`` does nothing (rejected drafts are
   never rolled back).
 
-The JSON: ``injected`` (``{step, block, request_id}`` of the early registration, or null), and the
+The JSON: ``injected`` (``{step, block, request_id}`` of the made-up registration, or null), and the
 audit's ``violations`` of kinds ``draft_block`` / ``spec_rewind`` (``[kind, step, block,
 request_id, detail]``, the first 3 of each kind) with their counts, and the draft counts.
 """
@@ -41,6 +44,24 @@ def first_draft_block(audit: Any) -> Any:
     return None
 
 
+def first_accepted_block(audit: Any) -> Any:
+    """``(row, request_id, block)`` of the first decoding request's first block, when it is complete
+    with accepted tokens, or None."""
+    ctx, spec = audit.context, audit.speculative
+    for row in range(ctx.paused_request_count, ctx.total_request_count):
+        request_id = int(ctx.request_ids[row])
+        req = spec._requests.get(request_id)
+        table = audit.log.block_table(row)
+        if req is not None and req.generated_tokens and table \
+                and len(spec.accepted_tokens(request_id)) >= ctx.block_size_tokens:
+            return row, request_id, table[0]
+    return None
+
+
+#: variant -> the block it registers under a made-up hash (``first_*(audit)``).
+INJECTIONS = {"early_register": first_draft_block, "wrong_hash": first_accepted_block}
+
+
 def main(variant: str) -> None:
     import torch
 
@@ -61,8 +82,8 @@ def main(variant: str) -> None:
     def broken_end_step(self: ContextAudit) -> None:
         if self not in audits:
             audits.append(self)
-        if variant == "early_register" and self.check_ref_counts and not injected:
-            found = first_draft_block(self)
+        if variant in INJECTIONS and self.check_ref_counts and not injected:
+            found = INJECTIONS[variant](self)
             if found is not None:
                 row, request_id, block = found
                 allocator = self.context.kv_block_allocator
