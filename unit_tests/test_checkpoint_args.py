@@ -110,6 +110,10 @@ def _args(**changes) -> argparse.Namespace:
     ({"use_rope_scaling": True}, "use_rope_scaling=True (Llama-3.1 RoPE scaling)"),
     ({"fp16": True, "bf16": False}, "fp16=True (fp16 parameters (the harness builds fp32 or bf16))"),
     ({"window_size": (4096, 0)}, "window_size=(4096, 0) (sliding-window attention)"),
+    ({"softmax_type": "learnable"}, "softmax_type='learnable' (a softmax other than the default (off-by-one or learnable))"),
+    ({"num_experts": 8, "expert_model_parallel_size": 2},
+     "expert_model_parallel_size=2 (expert parallelism (the harness keeps every expert on every rank))"),
+    ({"mtp_hybrid_override_pattern": "*E"}, "mtp_hybrid_override_pattern='*E' (MTP layers of a hybrid model)"),
     ({"position_embedding_type": "mrope"}, "position_embedding_type='mrope' (the harness builds learned_absolute or rope or none)"),
     ({"normalization": "L2Norm"}, "normalization='L2Norm' (the harness builds LayerNorm or RMSNorm)"),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)

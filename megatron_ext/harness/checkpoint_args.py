@@ -45,6 +45,9 @@ UNSUPPORTED_ARGS = {
     "use_rope_scaling": (False, "Llama-3.1 RoPE scaling"),
     "rotary_seq_len_interpolation_factor": (None, "RoPE sequence-length interpolation"),
     "fp16": (False, "fp16 parameters (the harness builds fp32 or bf16)"),
+    "softmax_type": ("vanilla", "a softmax other than the default (off-by-one or learnable)"),
+    "expert_model_parallel_size": (1, "expert parallelism (the harness keeps every expert on every rank)"),
+    "mtp_hybrid_override_pattern": (None, "MTP layers of a hybrid model"),
 }
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
