@@ -261,14 +261,15 @@ def cmd_soak(args: argparse.Namespace) -> int:
     from .harness.output_files import check_output_files
     from .harness.report import print_report
     from .harness.run_inputs import resolve_tokenizer
-    from .harness.soak import fit_vocab, soak_case, soak_lines, soak_summary
+    from .harness.soak import SOAK_MODELS, fit_vocab, soak_case, soak_lines, soak_summary
     from .harness.triton_env import ensure_hybrid_cpu_environment
 
     check_output_files({"--json": args.json, "--dump-case": args.dump_case})
     policies = list(dict.fromkeys(args.policy or ("ref_zero", "lru")))  # a repeated --policy runs once
     tokenizer = resolve_tokenizer(args.tokenizer, args.tokenizer_library)
     case = soak_case(args.requests, args.seed, policies, chunked_prefill=not args.no_chunked_prefill,
-                     update_every=args.update_every, model=_soak_model(args))
+                     update_every=args.update_every,
+                     model=next((kind for kind in SOAK_MODELS if getattr(args, kind, False)), "gpt"))
     if tokenizer is not None:
         case, grown = fit_vocab(case, tokenizer.vocab_size)
         if grown:
@@ -290,11 +291,6 @@ def cmd_soak(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"soak": summary, **result.as_json()}, indent=2))
     return result.exit_code()
-
-
-def _soak_model(args: argparse.Namespace) -> str:
-    """The ``soak_case`` model kind of ``soak``'s mutually exclusive model options (``gpt``: none)."""
-    return next((kind for kind in ("hybrid", "moe", "mla", "mtp") if getattr(args, kind)), "gpt")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

@@ -137,22 +137,32 @@ class _Shape(NamedTuple):
 
 _GPT_SHAPE = _Shape(MAX_PROMPT_TOKENS, MAX_GENERATED_TOKENS, MEAN_ARRIVAL_GAP_STEPS, 12, False)
 
-#: ``soak_case(model=...)`` -> (model, inference, request shapes); the CLI's ``--hybrid``, ``--moe``,
-#: ``--mla``, ``--mtp`` (``gpt``: none of them).
-SOAK_MODELS: dict[str, tuple[ModelSpec, InferenceSpec, _Shape]] = {
-    "gpt": (SOAK_MODEL, SOAK_INFERENCE, _GPT_SHAPE),
-    "hybrid": (SOAK_HYBRID_MODEL, SOAK_HYBRID_INFERENCE,
-               _Shape(HYBRID_MAX_PROMPT_TOKENS, HYBRID_MAX_GENERATED_TOKENS, HYBRID_MEAN_ARRIVAL_GAP_STEPS, 2, True)),
-    "moe": (SOAK_MOE_MODEL, SOAK_INFERENCE, _GPT_SHAPE),
-    "mla": (SOAK_MLA_MODEL, SOAK_MLA_INFERENCE, _Shape(112, MAX_GENERATED_TOKENS, MEAN_ARRIVAL_GAP_STEPS, 12, False, aligned_block=64, one_arrival_per_step=True, short=64, short_share=0.0)),
-    "mtp": (SOAK_MTP_MODEL, SOAK_MTP_INFERENCE, _GPT_SHAPE._replace(most_generated=MTP_MAX_GENERATED_TOKENS)),
-}
+class SoakModel(NamedTuple):
+    """One ``soak_case(model=...)`` kind: its model, inference settings, request shapes and the end
+    of the case's description."""
 
-_DESCRIPTIONS = {
-    "gpt": "48-block KV pool.", "moe": "48-block KV pool.",
-    "hybrid": "hybrid M*M model, Mamba prefix cache.",
-    "mla": "multi-latent attention model, latent KV cache in blocks of 64 tokens.",
-    "mtp": "MTP speculative decoding (2 drafts per step), blocks of 8 tokens.",
+    model: ModelSpec
+    inference: InferenceSpec
+    shape: _Shape
+    description: str
+
+
+_GPT_POOL = "48-block KV pool."
+
+#: ``soak_case(model=...)`` kinds; the CLI's ``--hybrid``, ``--moe``, ``--mla``, ``--mtp`` (``gpt``:
+#: none of them).
+SOAK_MODELS: dict[str, SoakModel] = {
+    "gpt": SoakModel(SOAK_MODEL, SOAK_INFERENCE, _GPT_SHAPE, _GPT_POOL),
+    "hybrid": SoakModel(SOAK_HYBRID_MODEL, SOAK_HYBRID_INFERENCE,
+                        _Shape(HYBRID_MAX_PROMPT_TOKENS, HYBRID_MAX_GENERATED_TOKENS, HYBRID_MEAN_ARRIVAL_GAP_STEPS, 2, True),
+                        "hybrid M*M model, Mamba prefix cache."),
+    "moe": SoakModel(SOAK_MOE_MODEL, SOAK_INFERENCE, _GPT_SHAPE, _GPT_POOL),
+    "mla": SoakModel(SOAK_MLA_MODEL, SOAK_MLA_INFERENCE,
+                     _Shape(112, MAX_GENERATED_TOKENS, MEAN_ARRIVAL_GAP_STEPS, 12, False, aligned_block=64,
+                            one_arrival_per_step=True, short=64, short_share=0.0),
+                     "multi-latent attention model, latent KV cache in blocks of 64 tokens."),
+    "mtp": SoakModel(SOAK_MTP_MODEL, SOAK_MTP_INFERENCE, _GPT_SHAPE._replace(most_generated=MTP_MAX_GENERATED_TOKENS),
+                     "MTP speculative decoding (2 drafts per step), blocks of 8 tokens."),
 }
 
 _WORDS = (
@@ -241,7 +251,7 @@ def soak_case(
         raise ValueError(f"soak: --requests must be >= 1, got {requests}")
     if model not in SOAK_MODELS:
         raise ValueError(f"soak: model {model!r} is none of {', '.join(SOAK_MODELS)}")
-    spec, base, shape = SOAK_MODELS[model]
+    spec, base, shape, description = SOAK_MODELS[model]
     specs = _workload(requests, seed, shape)
     inference = base if chunked_prefill else base.model_copy(
         update={"enable_chunked_prefill": False, "max_tokens": max(256, base.max_tokens)})
@@ -257,7 +267,7 @@ def soak_case(
             + ("" if update_every is None else f"-update-every-{update_every}"),
             weight_updates=updates,
             description=f"Generated soak workload: {requests} requests (RL rollouts, multi-turn "
-                        f"conversations, shared system prompts), seed {seed}, " + _DESCRIPTIONS[model],
+                        f"conversations, shared system prompts), seed {seed}, " + description,
             model=spec,
             inference=inference,
             prefix_caching_eviction_policies=list(policies),
