@@ -516,7 +516,8 @@ def _add_soak(sub: Any) -> None:
     p_soak.add_argument("--policy", action="append", choices=("ref_zero", "lru"),
                         help="eviction policy for B, repeatable (default: ref_zero and lru)")
     p_soak.add_argument("--no-chunked-prefill", action="store_true",
-                        help="chunked prefill off (max_tokens raised to 256 so every prompt fits a step)")
+                        help="chunked prefill off (max_tokens raised to 256 so every prompt fits a step; "
+                             "--mla never chunks)")
     p_soak.add_argument("--update-every", type=_positive_int, default=None, metavar="N",
                         help="a weight update every N engine steps: seeded noise added to every parameter, "
                         "then megatron_ext.invalidate_prefix_cache(engine) (requests arriving after an "

@@ -49,6 +49,12 @@ def test_unchunked_variant_fits_every_prompt_in_one_step():
     assert max(len(p.prompt_tokens) for p in plan_requests(case, TOKENIZER)) <= case.inference.max_tokens
 
 
+def test_unchunked_mla_is_the_mla_workload_unrenamed():
+    # the MLA soak never chunks prefill, so --no-chunked-prefill changes nothing and the name says so
+    assert soak_case(40, seed=0, model="mla", chunked_prefill=False) == soak_case(40, seed=0, model="mla")
+    assert soak_case(40, seed=0, chunked_prefill=False).name == "soak-40-seed0-unchunked"
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="--requests must be >= 1, got 0"):
         soak_case(0)

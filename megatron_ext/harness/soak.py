@@ -240,7 +240,8 @@ def soak_case(
 
     Returns:
         A :class:`Case` named ``soak-<requests>-seed<seed>`` (``-<model>`` for a model other than
-        ``gpt``; chunked prefill as asked), the model's KV pool and the expectations of a soak:
+        ``gpt``; ``-unchunked`` where chunked prefill was turned off, not for ``mla``, which never
+        chunks), the model's KV pool and the expectations of a soak:
         bit-identical, at least one matched block.
 
     Raises:
@@ -253,7 +254,8 @@ def soak_case(
         raise ValueError(f"soak: model {model!r} is none of {', '.join(SOAK_MODELS)}")
     spec, base, shape, description = SOAK_MODELS[model]
     specs = _workload(requests, seed, shape)
-    inference = base if chunked_prefill else base.model_copy(
+    unchunked = not chunked_prefill and base.enable_chunked_prefill  # MLA never chunks: nothing to turn off
+    inference = base if not unchunked else base.model_copy(
         update={"enable_chunked_prefill": False, "max_tokens": max(256, base.max_tokens)})
     if shape.one_arrival_per_step:  # a workload that must never wait (MLA): the engine sized to it
         inference = fit_without_waiting(inference, specs, spec)
@@ -263,7 +265,7 @@ def soak_case(
     try:
         return Case(
             name=f"soak-{requests}-seed{seed}" + ("" if model == "gpt" else f"-{model}")
-            + ("" if chunked_prefill else "-unchunked")
+            + ("-unchunked" if unchunked else "")
             + ("" if update_every is None else f"-update-every-{update_every}"),
             weight_updates=updates,
             description=f"Generated soak workload: {requests} requests (RL rollouts, multi-turn "
