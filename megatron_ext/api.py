@@ -57,7 +57,7 @@ def status(force: bool | None = None) -> list[PatchResult]:
 
     Raises:
         MegatronCoreNotFoundError: megatron-core is not importable.
-        UnsupportedReleaseError: megatron-core is not a supported release (unless forced).
+        UnsupportedReleaseError: megatron-core is older than 0.17.0 (unless forced).
         MegatronExtError: ``MEGATRON_EXT_SKIP`` names something that is not a patch.
     """
     force = _env_force() if force is None else force
@@ -83,8 +83,8 @@ def apply(force: bool | None = None, strict: bool = False) -> list[PatchResult]:
 
     Raises:
         MegatronCoreNotFoundError: megatron-core is not importable.
-        UnsupportedReleaseError: megatron-core is not a supported release (unless forced);
-            nothing is applied.
+        UnsupportedReleaseError: megatron-core is older than 0.17.0 (unless forced); nothing is
+            applied. Any newer tree is judged patch by patch by its code (:meth:`Patch.plan`).
         PatchRefusedError: with ``strict=True``, if any patch was refused; nothing is applied then.
             A patch named in ``MEGATRON_EXT_SKIP`` is never refused (it is not considered at all).
         MegatronExtError: ``MEGATRON_EXT_SKIP`` names something that is not a patch; nothing is applied.
@@ -111,7 +111,7 @@ def apply(force: bool | None = None, strict: bool = False) -> list[PatchResult]:
 
 
 def _version(force: bool) -> str:
-    """The installed release, refused unless supported or ``force`` (:func:`mcore.require_supported`)."""
+    """The installed release, refused if older than 0.17.0 unless ``force`` (:func:`mcore.require_supported`)."""
     version = mcore.installed_version()
     if not force:
         mcore.require_supported(version, f", or force with {FORCE_ENV}=1 / apply(force=True) after checking "

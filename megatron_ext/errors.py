@@ -10,7 +10,9 @@ class MegatronCoreNotFoundError(MegatronExtError):
 
 
 class UnsupportedReleaseError(MegatronExtError):
-    """The importable megatron-core is a release megatron-ext was not written for.
+    """The importable megatron-core is older than the first release with prefix caching (0.17.0):
+    there is nothing to fingerprint against. Newer trees, released or not (a Megatron-LM checkout
+    says "0.20.0"), are judged patch by patch by their code instead.
 
     Raised by ``apply()`` and ``status()`` (unless forced) and by every ``megatron-ext`` command
     that runs megatron-core (exit 2); the message names both releases.
@@ -22,12 +24,14 @@ class UnsupportedReleaseError(MegatronExtError):
 
     def __init__(self, installed: str, supported: tuple, fix: str = "") -> None:
         self.installed, self.supported = installed, tuple(supported)
-        super().__init__(f"megatron-core {installed} is not a supported release (supported: {', '.join(supported)}); "
-                         f"install one of those, e.g. `pip install --no-deps megatron-core=={supported[-1]}`{fix}")
+        super().__init__(f"megatron-core {installed} is older than {supported[0]}, the first release with prefix "
+                         f"caching: megatron-ext has nothing to patch there (supported: {', '.join(supported)}, and "
+                         f"Megatron-LM checkouts judged by their code); install one of those, e.g. "
+                         f"`pip install --no-deps megatron-core=={supported[-1]}`{fix}")
 
 
 class PatchRefusedError(MegatronExtError):
-    """A patch was refused: unsupported megatron-core release or changed target code.
+    """A patch was refused: its target code is not one megatron-ext has checked, or its probe failed.
 
     Raised by ``apply(strict=True)``; ``apply()`` without ``strict`` reports the refusal in its
     results instead.

@@ -17,10 +17,15 @@ from packaging.version import InvalidVersion, Version
 
 from .errors import MegatronCoreNotFoundError, UnsupportedReleaseError
 
-#: Releases megatron-ext was written and tested against: the one list. The patches' fingerprints,
-#: patches/index.yaml, scripts/bootstrap.sh, pyproject.toml, .ci/run and the README must agree
-#: with it (unit_tests/test_supported_releases.py).
+#: PyPI releases megatron-ext was written and tested against: the one list. The known trees of
+#: the patches' fingerprints (with Megatron-LM commits beside them), patches/index.yaml,
+#: scripts/bootstrap.sh, pyproject.toml, .ci/run and the README must agree with it
+#: (unit_tests/test_supported_releases.py). Patches are decided by the installed code, not by
+#: this list: a tree not in it is judged by its fingerprints (:meth:`megatron_ext.patching.Patch.plan`).
 SUPPORTED_RELEASES: tuple[str, ...] = ("0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2")
+
+#: The first release with prefix caching: an older tree has nothing megatron-ext could patch.
+FIRST_RELEASE = SUPPORTED_RELEASES[0]
 
 KV_BLOCK_ALLOCATOR_MODULE = "megatron.core.inference.contexts.kv_block_allocator"
 DYNAMIC_CONTEXT_MODULE = "megatron.core.inference.contexts.dynamic_context"
@@ -62,8 +67,9 @@ def installed_version() -> str:
 
 
 def require_supported(version: str, fix: str = "") -> None:
-    """Refuse a release megatron-ext was not written for (``base_release(version)`` not in
-    :data:`SUPPORTED_RELEASES`), before any of its modules is looked at.
+    """Refuse a tree older than :data:`FIRST_RELEASE` (no prefix caching: nothing to fingerprint
+    against), before any of its modules is looked at. Any newer tree, released or not, is judged
+    patch by patch by its code; an unparsable version is not refused here.
 
     Args:
         version: the installed release (:func:`installed_version`).
@@ -72,8 +78,16 @@ def require_supported(version: str, fix: str = "") -> None:
     Raises:
         UnsupportedReleaseError: naming ``version`` and the supported releases.
     """
-    if base_release(version) not in SUPPORTED_RELEASES:
+    if too_old(version):
         raise UnsupportedReleaseError(version, SUPPORTED_RELEASES, fix)
+
+
+def too_old(version: str) -> bool:
+    """Whether ``version`` is older than :data:`FIRST_RELEASE` (False if it does not parse)."""
+    try:
+        return Version(version) < Version(FIRST_RELEASE)
+    except InvalidVersion:
+        return False
 
 
 def base_release(version: str) -> str:
@@ -115,8 +129,8 @@ def import_module(name: str) -> ModuleType:
     when it is not imported yet: :func:`register_import_context`).
 
     Raises:
-        UnsupportedReleaseError: the module is missing from an unsupported release (reached when
-            forced): named with the release, not as an import failure.
+        UnsupportedReleaseError: the module is missing from a release older than
+            :data:`FIRST_RELEASE` (reached when forced): named with the release, not as an import failure.
         MegatronCoreNotFoundError: megatron-core (or this module of it) cannot be imported.
     """
     context = _IMPORT_CONTEXTS.get(name) if name not in sys.modules else None
@@ -129,7 +143,7 @@ def import_module(name: str) -> ModuleType:
                 version = installed_version()
             except MegatronCoreNotFoundError:
                 version = None  # no megatron-core at all: said below
-            if version is not None and base_release(version) not in SUPPORTED_RELEASES:
+            if version is not None and too_old(version):
                 raise UnsupportedReleaseError(version, SUPPORTED_RELEASES, f"; it has no {exc.name}") from None
             raise MegatronCoreNotFoundError(
                 f"cannot import {name} ({exc}); {_INSTALL_HINT}"

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from . import foreign, mcore
-from .errors import RevertBlockedError
-from .fingerprints import RecordedFingerprints, fingerprint
+from .errors import MegatronExtError, RevertBlockedError
+from .fingerprints import ABSENT, RecordedFingerprints, TreeMatch, fingerprint, match_trees, tree_labels
 from .guards import BYPASS_ATTR, Guarded, guarded_function
 
 #: Attribute set on every wrapper megatron-ext installs, naming the patch that installed it. For
@@ -280,10 +280,15 @@ class Patch(ABC):
         fault: the ID of the fault it fixes, as the README's table of faults numbers them: ``"1"``
             to ``"9"`` for prefix caching, ``"H1"`` to ``"H10"`` for hybrid models
             (:func:`fault_label` spells it in audits and failure messages).
-        fingerprints: release -> {``Class.method``: fingerprint} of every target and every
-            function the wrapper relies on (:meth:`checked_functions`), recorded from the released
-            wheels; read from
-            :data:`~megatron_ext.fingerprints.FINGERPRINTS_FILE` by :attr:`name`.
+        faulty_fingerprints: known tree -> {``Class.method``: fingerprint} of every target and
+            every function the wrapper relies on (:meth:`checked_functions`), in each tree that has
+            the fault (a PyPI release or a Megatron-LM commit,
+            :class:`~megatron_ext.fingerprints.KnownTree`); read from
+            :data:`~megatron_ext.fingerprints.FINGERPRINTS_FILE` by :attr:`name`. Code equal to one
+            of them gets the patch.
+        fixed_fingerprints: the same, in each known tree that does not have the fault (fixed
+            upstream, or a function missing there: ``"absent"``). Code equal to one of them is
+            "not needed".
         source_patched_targets: the functions the source patch of ``patches/`` changes for this
             fault; the default :meth:`needed` answers "not needed" when all of them are that code.
         source_patched_fingerprints: release -> {``Class.method``: fingerprint} of those functions
@@ -304,7 +309,8 @@ class Patch(ABC):
 
     name: ClassVar[str] = ""
     fault: ClassVar[str] = ""
-    fingerprints: ClassVar[dict[str, dict[str, str]]] = RecordedFingerprints("released")
+    faulty_fingerprints: ClassVar[dict[str, dict[str, str]]] = RecordedFingerprints("faulty")
+    fixed_fingerprints: ClassVar[dict[str, dict[str, str]]] = RecordedFingerprints("fixed")
     source_patched_targets: ClassVar[tuple[Target, ...]] = ()
     source_patched_fingerprints: ClassVar[dict[str, dict[str, str]]] = RecordedFingerprints("source_patched")
     fault_evidence: ClassVar[str] = ""
@@ -314,10 +320,6 @@ class Patch(ABC):
     def __init__(self) -> None:
         self._saved: dict[Target, Any] = {}  # what install() replaced, put back by uninstall()
         self._installed: dict[Target, Any] = {}  # what install() put in its place
-
-    @property
-    def supported_releases(self) -> tuple[str, ...]:
-        return tuple(sorted(self.fingerprints, key=lambda release: tuple(map(int, release.split(".")))))
 
     @abstractmethod
     def wrappers(self) -> dict[Target, Callable | Guarded | KernelLaunch]:
@@ -330,9 +332,10 @@ class Patch(ABC):
         return tuple(self.wrappers())
 
     def needed(self) -> tuple[bool, str]:
-        """Whether the installed code still has the fault, and the evidence for the answer: not
-        needed where every function in :attr:`source_patched_targets` is the source-patched code
-        of one release. Patches that probe the code's behaviour instead override this."""
+        """The probe :meth:`plan` runs on code that matches no known tree: whether it still has the
+        fault, and the evidence for the answer. Not needed where every function in
+        :attr:`source_patched_targets` is the source-patched code of one release; patches that
+        probe the code's behaviour add to this."""
         found = {t.qualname: fingerprint(t.original()) for t in self.source_patched_targets}
         releases = [r for r, fixed in self.source_patched_fingerprints.items() if found and fixed == found]
         if releases:
@@ -404,55 +407,48 @@ class Patch(ABC):
     def result(self, state: PatchState, reason: str, evidence: str = "") -> PatchResult:
         return PatchResult(self.name, self.target_names(), state, reason, evidence, self.fault)
 
-    def check(self, version: str) -> PatchResult | None:
-        """Refusal result if the release or a target's code is not what this patch knows, else None."""
-        supported = ", ".join(self.supported_releases)
-        expected = self.fingerprints.get(mcore.base_release(version))
-        if mcore.base_release(version) not in mcore.SUPPORTED_RELEASES:
-            return self.result(
-                PatchState.REFUSED,
-                f"megatron-core {version} is not a supported release (supported: "
-                f"{', '.join(mcore.SUPPORTED_RELEASES)}); install one of those, or force with "
-                "MEGATRON_EXT_FORCE=1 / apply(force=True) after checking the target code yourself",
-            )
-        if not self.fingerprints:
-            return self.result(
-                PatchState.REFUSED,
-                f"no fingerprints of {self.name} are recorded in megatron_ext/fingerprints.json; record "
-                "them with scripts/record_fingerprints.py, or force with MEGATRON_EXT_FORCE=1 / "
-                "apply(force=True) after checking the code yourself",
-            )
-        if expected is None:  # a supported release this patch was not written for
-            return self.result(
-                PatchState.REFUSED,
-                f"{self.name} was written for megatron-core {supported}, not {version}; force "
-                "with MEGATRON_EXT_FORCE=1 / apply(force=True) after checking the code yourself",
-            )
-        for target in self.checked_functions():
-            try:
-                found = fingerprint(target.original())
-            except (OSError, TypeError) as exc:
-                found = f"unreadable source ({exc})"
-            if found != expected.get(target.qualname):
-                unseen = self._unseen_wrapper(target, version)
-                if unseen:
-                    return self.result(PatchState.REFUSED, unseen,
-                                       evidence=f"fingerprint {found}, expected {expected.get(target.qualname)}")
-                return self.result(
-                    PatchState.REFUSED,
-                    f"{target.module}.{target.qualname} in megatron-core {version} is not the code "
-                    f"this patch was written against (supported: {supported}); it was changed "
-                    "locally or by another patch. Reinstall megatron-core, or force with "
-                    "MEGATRON_EXT_FORCE=1 / apply(force=True) after checking the code yourself",
-                    evidence=f"fingerprint {found}, expected {expected.get(target.qualname)}",
-                )
-        return None
+    def match(self) -> TreeMatch:
+        """Which known trees the installed code of :meth:`checked_functions` is."""
+        found = {target.qualname: self.found_fingerprint(target) for target in self.checked_functions()}
+        return match_trees(found, self.faulty_fingerprints, self.fixed_fingerprints)
+
+    @staticmethod
+    def found_fingerprint(target: Target) -> str:
+        try:
+            return fingerprint(target.original())
+        except (AttributeError, KeyError, MegatronExtError):  # no such class, method or module here
+            return ABSENT
+        except (OSError, TypeError) as exc:
+            return f"unreadable source ({exc})"
+
+    def _unknown_code(self, version: str, match: TreeMatch) -> PatchResult:
+        """The refusal for checked functions that are no known tree's code (forceable)."""
+        differing = match.differing or tuple(match.found)
+        unseen = next((why for name in differing if (why := self._unseen_wrapper(self._target(name), version))), "")
+        nearest = (f" (nearest known tree: {tree_labels([match.nearest])}, where the others match)"
+                   if match.nearest and len(differing) < len(match.found) else "")
+        names = ", ".join(f"{self._target(name).module}.{name}" for name in differing)
+        reason = unseen or (f"{names} in megatron-core {version}: this code is not one megatron-ext has checked"
+                            f"{nearest}; it was changed locally, by another patch or upstream. Use a known tree "
+                            "(`megatron-ext status --trees`), or force with MEGATRON_EXT_FORCE=1 / apply(force=True) "
+                            "after checking the code yourself")
+        return self.result(PatchState.REFUSED, reason, evidence=self._evidence(match, differing))
+
+    def _target(self, qualname: str) -> Target:
+        return next(target for target in self.checked_functions() if target.qualname == qualname)
+
+    @staticmethod
+    def _evidence(match: TreeMatch, names: tuple[str, ...] | None = None) -> str:
+        return "fingerprints " + ", ".join(f"{name} {match.found[name]}" for name in names or match.found)
 
     @staticmethod
     def _unseen_wrapper(target: Target, version: str) -> str:
         """The refusal for a target under a foreign wrapper that hides the code it wraps (no
         ``__wrapped__``); ``""`` for any other mismatch."""
-        function = target.original()
+        try:
+            function = target.original()
+        except (AttributeError, KeyError, MegatronExtError):
+            return ""
         if foreign.defined_in_megatron(function) or getattr(function, "__wrapped__", None) is not None:
             return ""
         return (f"{target.module}.{target.qualname} in megatron-core {version} is wrapped by foreign code {foreign.describe(function)}, which "
@@ -467,34 +463,43 @@ class Patch(ABC):
         return sorted({t.module for t in self.waits_for_import if not defined(t)})
 
     def plan(self, version: str, force: bool) -> PatchResult:
-        """Decide without changing anything: APPLICABLE, APPLIED, NOT_NEEDED or REFUSED; NOT_APPLIED
-        while a module of :attr:`waits_for_import` is mid-import."""
+        """Decide without changing anything, from the installed code (the version only names it):
+        APPLICABLE where the checked functions are a known faulty tree's, NOT_NEEDED where they are
+        a known fixed tree's; otherwise the probe (:meth:`needed`) decides NOT_NEEDED, and code it
+        finds faulty is REFUSED (APPLICABLE when forced). A missing function or a probe that fails
+        is REFUSED even when forced. APPLIED if installed; NOT_APPLIED while a module of
+        :attr:`waits_for_import` is mid-import."""
         pending = self.import_pending()
         if pending:
             loaded = "is not loaded yet" if len(pending) == 1 else "are not loaded yet"
             return self.result(PatchState.NOT_APPLIED, f"megatron-core is being imported and {' and '.join(pending)} "
                                f"{loaded}; MEGATRON_EXT_AUTO applies this patch then")
-        if mcore.base_release(version) not in mcore.SUPPORTED_RELEASES and not force:
-            # before touching the targets: an unsupported release may not even have them
-            return self.check(version)  # refusal naming the supported releases
         installed = self.installed_result() if self.installed else None
         if installed is not None:
             return installed
+        match = self.match()
+        if match.faulty and not match.fixed:
+            return self.result(PatchState.APPLICABLE, f"the installed code has the fault: megatron-core {version}'s "
+                               f"targets match {tree_labels(match.faulty)}", self._evidence(match))
+        if match.fixed and not match.faulty:
+            return self.result(PatchState.NOT_NEEDED, f"the installed code does not have this fault: megatron-core "
+                               f"{version}'s targets match {tree_labels(match.fixed)}", self._evidence(match))
+        if match.absent:
+            names = ", ".join(f"{self._target(name).module}.{name}" for name in match.absent)
+            return self.result(PatchState.REFUSED, f"{names} does not exist in megatron-core {version}: this code is not "
+                               "one megatron-ext has checked, and the patch has nothing to wrap there",
+                               self._evidence(match))
         try:
             needed, evidence = self.needed()
         except Exception as exc:  # a probe that cannot run says nothing about the fault
-            needed, evidence = True, f"probe failed: {type(exc).__name__}: {exc}"
+            return self.result(PatchState.REFUSED, f"this code is not one megatron-ext has checked and the patch's probe "
+                               f"failed on it ({type(exc).__name__}: {exc})", self._evidence(match))
         if not needed:
-            return self.result(
-                PatchState.NOT_NEEDED, "the installed code does not have this fault", evidence
-            )
-        refusal = self.check(version)
-        if refusal is not None and not force:
+            return self.result(PatchState.NOT_NEEDED, "the installed code does not have this fault", evidence)
+        refusal = self._unknown_code(version, match)
+        if not force:
             return refusal
-        reason = "the installed code has the fault and matches the recorded fingerprints"
-        if refusal is not None:
-            reason = f"FORCED despite refusal: {refusal.reason}"
-        return self.result(PatchState.APPLICABLE, reason, evidence)
+        return self.result(PatchState.APPLICABLE, f"FORCED despite refusal: {refusal.reason}", evidence)
 
     # -- apply / revert ----------------------------------------------------------------------
 

@@ -125,6 +125,40 @@ def unpack_release(version: str, target: Path, cache: Path) -> Path:
     return Path(target)
 
 
+#: Where the archives of known Megatron-LM commits (:class:`~megatron_ext.fingerprints.KnownTree`
+#: ``source``) are: ``MEGATRON_EXT_UPSTREAM``, or ``../shared/upstream`` beside this checkout.
+UPSTREAM_ENV = "MEGATRON_EXT_UPSTREAM"
+
+
+def upstream_dir() -> Path:
+    """The folder holding the known commits' archives (:data:`UPSTREAM_ENV`)."""
+    return Path(os.environ.get(UPSTREAM_ENV) or _REPO_PATCHES.parent.parent / "shared" / "upstream")
+
+
+def unpack_tree(name: str, target: Path, cache: Path) -> Path:
+    """Unpack a known tree (a release's wheel, or a Megatron-LM commit's archive from
+    :func:`upstream_dir`) under ``target``; return the directory holding ``megatron/core``.
+
+    Raises:
+        SourcePatchError: the wheel could not be downloaded, or the archive is missing.
+    """
+    import tarfile
+
+    from .fingerprints import known_trees
+
+    tree = known_trees().get(name)
+    if tree is None or not tree.commit:
+        return unpack_release(name, target, cache)
+    archive = upstream_dir() / tree.source
+    if not archive.is_file():
+        raise SourcePatchError(f"{archive} is missing: {tree.label}'s code comes from that archive; set "
+                               f"{UPSTREAM_ENV} to the folder holding it")
+    with tarfile.open(archive) as tar:
+        tar.extractall(target, filter="data")
+    (info,) = Path(target).glob("*/megatron/core/package_info.py")
+    return info.parents[2]
+
+
 def patches_for(version: str) -> list[Path]:
     """Patch files for a release, in order.
 

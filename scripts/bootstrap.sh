@@ -1,20 +1,42 @@
 #!/usr/bin/env bash
 # Create or reuse .venv in the repo root with Python 3.12, the pinned dependencies, megatron-ext
-# (editable) and the megatron-core release named by MEGATRON_CORE_VERSION (default 0.19.2).
+# (editable) and megatron-core: the release named by MEGATRON_CORE_VERSION (default 0.19.2), or,
+# with MEGATRON_CORE_SOURCE set, the tree in that folder or .tar.gz archive (a Megatron-LM checkout,
+# or one of ../shared/upstream/), installed from source so importlib.metadata agrees with the code.
 # Idempotent and quiet when nothing changes: torch is installed once and kept across releases;
-# switching releases reinstalls only the megatron-core wheel (no dependencies).
+# switching megatron-core reinstalls only megatron-core (no dependencies).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$REPO/.venv"
 MCORE="${MEGATRON_CORE_VERSION:-0.19.2}"
+SOURCE="${MEGATRON_CORE_SOURCE:-}"
 SUPPORTED="0.17.0 0.17.1 0.18.0 0.18.2 0.19.0 0.19.2"
 
-case " $SUPPORTED " in
-  *" $MCORE "*) ;;
-  *) echo "bootstrap: MEGATRON_CORE_VERSION=$MCORE is not a supported release; use one of: $SUPPORTED" >&2
-     exit 2 ;;
-esac
+if [ -n "$SOURCE" ] && [ -n "${MEGATRON_CORE_VERSION:-}" ]; then
+  echo "bootstrap: MEGATRON_CORE_VERSION and MEGATRON_CORE_SOURCE are both set; unset one (the release's wheel, or the tree)" >&2
+  exit 2
+fi
+if [ -z "$SOURCE" ]; then
+  case " $SUPPORTED " in
+    *" $MCORE "*) ;;
+    *) echo "bootstrap: MEGATRON_CORE_VERSION=$MCORE is not a supported release; use one of: $SUPPORTED, or MEGATRON_CORE_SOURCE=<Megatron-LM folder or .tar.gz> for a tree" >&2
+       exit 2 ;;
+  esac
+elif [ -d "$SOURCE" ]; then
+  [ -f "$SOURCE/megatron/core/package_info.py" ] || {
+    echo "bootstrap: MEGATRON_CORE_SOURCE=$SOURCE has no megatron/core/package_info.py; point it at a Megatron-LM checkout's top folder" >&2
+    exit 2; }
+elif [ -f "$SOURCE" ]; then
+  case "$SOURCE" in
+    *.tar.gz|*.tgz) ;;
+    *) echo "bootstrap: MEGATRON_CORE_SOURCE=$SOURCE is a file but not a .tar.gz archive; give a Megatron-LM folder or an archive such as ../shared/upstream/megatron-lm-2a75ac12c5.tar.gz" >&2
+       exit 2 ;;
+  esac
+else
+  echo "bootstrap: MEGATRON_CORE_SOURCE=$SOURCE does not exist; give a Megatron-LM folder or an archive such as ../shared/upstream/megatron-lm-2a75ac12c5.tar.gz" >&2
+  exit 2
+fi
 
 find_python() {
   local candidate
@@ -52,12 +74,43 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$lock_hash" ]; then
   echo "$lock_hash" > "$stamp"
 fi
 
-have="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("megatron-core"))' 2>/dev/null || true)"
-if [ "$have" != "$MCORE" ]; then
-  echo "bootstrap: installing megatron-core==$MCORE (was: ${have:-none})" >&2
-  pip_quiet --no-deps "megatron-core==$MCORE"
-  have="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("megatron-core"))')"
-  [ "$have" = "$MCORE" ] || { echo "bootstrap: megatron-core==$MCORE did not install (have $have)" >&2; exit 1; }
+# What megatron-core is installed, as "wheel <release>" or "source <sha256 of the tree's files>":
+# a tree's version string ("0.20.0" for every main commit since 0.19) does not identify it.
+mcore_stamp="$VENV/.megatron-ext-mcore"
+mcore_version() { "$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("megatron-core"))' 2>/dev/null || true; }
+if [ -z "$SOURCE" ]; then
+  want="wheel $MCORE"
+  have="$(mcore_version)"
+  # a tree installed before may carry a release's version string: the stamp tells them apart
+  if [ "$have" != "$MCORE" ] || [ "$(cat "$mcore_stamp" 2>/dev/null || echo "wheel $have")" != "$want" ]; then
+    echo "bootstrap: installing megatron-core==$MCORE (was: ${have:-none})" >&2
+    pip_quiet --no-deps --force-reinstall "megatron-core==$MCORE"
+    have="$(mcore_version)"
+    [ "$have" = "$MCORE" ] || { echo "bootstrap: megatron-core==$MCORE did not install (have $have)" >&2; exit 1; }
+    echo "$want" > "$mcore_stamp"
+  fi
+else
+  tree="$SOURCE"
+  if [ -f "$SOURCE" ]; then  # an archive: unpacked once per content into the venv
+    digest="$(sha256sum "$SOURCE" | cut -c1-16)"
+    tree_root="$VENV/megatron-core-src/$digest"
+    if [ ! -d "$tree_root" ]; then
+      mkdir -p "$tree_root.tmp" && tar xzf "$SOURCE" -C "$tree_root.tmp" && mv "$tree_root.tmp" "$tree_root"
+    fi
+    tree="$(dirname "$(find "$tree_root" -path '*/megatron/core/package_info.py' | head -n 1)")"
+    tree="${tree%/megatron/core}"
+    [ -f "$tree/megatron/core/package_info.py" ] || {
+      echo "bootstrap: MEGATRON_CORE_SOURCE=$SOURCE holds no megatron/core/package_info.py; give an archive of a Megatron-LM checkout" >&2
+      exit 2; }
+  fi
+  want="source $(cd "$tree" && find megatron -name '*.py' -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)"
+  if [ "$(cat "$mcore_stamp" 2>/dev/null)" != "$want" ] || [ -z "$(mcore_version)" ]; then
+    echo "bootstrap: installing megatron-core from $SOURCE (was: $(cat "$mcore_stamp" 2>/dev/null || echo none))" >&2
+    # setuptools and pybind11 (requirements/lock.txt) build it; NO_VCS_VERSION keeps the version
+    # string free of this project's git hash
+    NO_VCS_VERSION=1 pip_quiet --no-deps --no-build-isolation --force-reinstall "$tree"
+    echo "$want" > "$mcore_stamp"
+  fi
 fi
 
 # Mamba kernels for hybrid models (requirements/mamba.txt): source distributions, CUDA builds

@@ -1,7 +1,7 @@
 """One list of supported megatron-core releases: ``megatron_ext.mcore.SUPPORTED_RELEASES``.
 
-Every other place that names the releases must agree with it: the runtime patches' recorded
-fingerprints, the source patches' ``patches/index.yaml``, ``scripts/bootstrap.sh``
+Every other place that names the releases must agree with it: the known trees of the runtime
+patches' recorded fingerprints (with the Megatron-LM commits), the source patches' ``patches/index.yaml``, ``scripts/bootstrap.sh``
 (``SUPPORTED=``), the optional dependency in ``pyproject.toml``, the releases ``.ci/run`` tests
 (the newest of each series) and the README's list.
 """
@@ -19,7 +19,7 @@ from packaging.version import Version
 
 from megatron_ext import mcore
 from megatron_ext.patches import ALL_PATCHES
-from megatron_ext.fingerprints import FINGERPRINTS_FILE
+from megatron_ext.fingerprints import FINGERPRINTS_FILE, known_trees
 
 REPO = Path(__file__).resolve().parents[1]
 SUPPORTED = mcore.SUPPORTED_RELEASES
@@ -30,11 +30,25 @@ def test_supported_releases_are_sorted_and_unique():
     assert list(SUPPORTED) == sorted(set(SUPPORTED), key=Version)
 
 
-def test_fingerprints_cover_exactly_the_supported_releases():
-    recorded = {release for patch in ALL_PATCHES for release in patch.fingerprints}
-    assert recorded == set(SUPPORTED)
+def test_known_trees_are_the_supported_releases_and_the_megatron_lm_commits():
+    trees = known_trees()
+    assert [name for name, tree in trees.items() if not tree.commit] == list(SUPPORTED)
+    assert {name: (tree.version, tree.commit[:len(name)]) for name, tree in trees.items() if tree.commit} == {
+        "2a75ac12c5": ("0.20.0", "2a75ac12c5"), "d98e8a64": ("0.20.0", "d98e8a64")}
+    for name, tree in trees.items():
+        assert tree.version == (name if not tree.commit else tree.version) and tree.date, name
+
+
+def test_every_patch_is_decided_on_every_known_tree_one_way():
+    # each known tree is recorded faulty or fixed for each patch, never both; code recorded as
+    # faulty somewhere is never recorded as fixed elsewhere (plan() would have to guess)
     for patch in ALL_PATCHES:
-        assert set(patch.supported_releases) <= set(SUPPORTED), patch.name
+        faulty, fixed = patch.faulty_fingerprints, patch.fixed_fingerprints
+        assert set(faulty) | set(fixed) == set(known_trees()), patch.name
+        assert not set(faulty) & set(fixed), patch.name
+        assert not [tree for tree, prints in fixed.items() if prints in faulty.values()], patch.name
+        for prints in [*faulty.values(), *fixed.values()]:
+            assert set(prints) == {t.qualname for t in patch.checked_functions()}, patch.name
 
 
 def test_source_patch_index_lists_the_supported_releases():
@@ -74,22 +88,22 @@ def test_readme_names_the_supported_releases():
 
 
 def test_source_patched_fingerprints_cover_exactly_the_releases_each_patch_is_written_for():
-    # needed() answers "not needed" only for a release listed here: a release missing from one
-    # table would get that runtime patch refused on its source-patched tree. A patch written for
-    # some releases only (its released fingerprints) answers "not needed" elsewhere by itself.
+    # needed() answers "not needed" only for a tree listed here: a tree missing from one table
+    # would get that runtime patch refused on its source-patched tree. A patch faulty on some
+    # trees only is recorded fixed on the others.
     patches = {patch.name: patch for patch in ALL_PATCHES if patch.source_patched_fingerprints}
     assert {"matched-block-writes", "lru-resume-evictable", "weight-update-invalidation"} <= set(patches)
     assert set(patches["routing-per-block"].source_patched_fingerprints) == {"0.17.0", "0.17.1"}
     assert set(patches["routing-evicted-requests"].source_patched_fingerprints) == set(SUPPORTED)
     for name, patch in patches.items():
-        assert set(patch.fingerprints) <= set(patch.source_patched_fingerprints) <= set(SUPPORTED), name
+        assert set(patch.faulty_fingerprints) <= set(patch.source_patched_fingerprints) <= set(known_trees()), name
 
 
 def test_fingerprints_file_records_the_shipped_patches_only():
-    # a table under a name no patch has would be dead data; every patch has released fingerprints
+    # a table under a name no patch has would be dead data
     recorded = json.loads(FINGERPRINTS_FILE.read_text())
     names = {patch.name for patch in ALL_PATCHES}
-    assert set(recorded) == {"released", "source_patched"}
-    assert set(recorded["released"]) == names
+    assert set(recorded) == {"trees", "faulty", "fixed", "source_patched"}
+    assert set(recorded["faulty"]) | set(recorded["fixed"]) == names
     assert set(recorded["source_patched"]) == {p.name for p in ALL_PATCHES if p.source_patched_targets}
     assert FINGERPRINTS_FILE.read_text() == json.dumps(recorded, indent=2, sort_keys=True) + "\n"
