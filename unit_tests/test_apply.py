@@ -435,6 +435,24 @@ def test_cli_status_json(capsys, mcore_series, mcore_version):
     assert payload["megatron_core_version"] == mcore_version
     assert {p["patch"]: p["state"] for p in payload["patches"]} == EXPECTED_STATUS[mcore_series]
     assert {p["patch"]: p["fault"] for p in payload["patches"]} == FAULT_IDS
+    installed = [mcore_version] if mcore_version in mcore.SUPPORTED_RELEASES else ["2a75ac12c5", "d98e8a64"]
+    assert set(installed) & set(payload["known_tree"])  # the release itself, or a main commit CI installs
+    assert payload["known_tree"] == list(megatron_ext.api.installed_tree())
+
+
+def test_cli_status_trees_lists_every_known_tree_and_marks_the_installed_one(capsys, mcore_version):
+    assert cli.main(["status", "--trees", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    trees = {tree["name"]: tree for tree in payload["known_trees"]}
+    assert list(trees) == ["0.17.0", "0.17.1", "0.18.0", "0.18.2", "2a75ac12c5", "0.19.0", "d98e8a64", "0.19.2"]
+    assert trees["2a75ac12c5"] == {"name": "2a75ac12c5", "version": "0.20.0", "date": "2026-08-13",
+                                   "commit": "2a75ac12c54ba6a42b34024756820bf819a2e25f",
+                                   "source": "megatron-lm-2a75ac12c5.tar.gz"}
+    assert all(trees[name]["version"] == mcore_version for name in payload["known_tree"])
+    assert cli.main(["status", "--trees", "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    assert f"known trees; installed: megatron-core {mcore_version} (code of " in out
+    assert re.search(r"^│ Megatron-LM 2a75ac12c5 │ 0\.20\.0 +│ 2026-08-13 │", out, re.MULTILINE)
 
 
 def test_cli_status_table_names_each_patch_with_its_fault_id(capsys):
@@ -649,3 +667,4 @@ def test_a_patch_whose_requirement_is_refused_is_not_applied(monkeypatch, mcore_
         megatron_ext.apply(strict=True)
     assert str(refused.value) == "; ".join([f"matched-block-writes: {fix2_refusal}", *(
         f"{name}: needs matched-block-writes, which is refused" for name in dependents)])
+
