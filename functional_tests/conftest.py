@@ -1,7 +1,12 @@
 """Fixtures shared by the functional tests: the installed release series and the torchrun helper.
 
-* ``SERIES`` / ``mcore_series``: the series (``"0.17"``, ``"0.18"``, ``"0.19"``) of the importable
-  megatron-core; ``SERIES`` for ``parametrize`` at collection time, the fixture inside tests.
+* ``SERIES`` / ``mcore_series``: the release series (``"0.17"``, ``"0.18"``, ``"0.19"``) whose code
+  the importable megatron-core has, decided by the code (:func:`code_series`), not by its version
+  string: a Megatron-LM main tree says "0.20.0" and is keyed by the release it grew from; ``SERIES``
+  for ``parametrize`` at collection time, the fixture inside tests.
+* ``NEEDED_FIXES``: the patches the installed code needs (``status()`` unforced: every patch but
+  the "not needed" ones; a refused patch counts, so a tree with unrecorded code fails the tests
+  that depend on it instead of leaving them out).
 * ``torchrun``: runs ``python -m megatron_ext ARGS`` on several CPU ranks (``torchrun``
   subprocesses, gloo) with a hard timeout (``MEGATRON_EXT_MULTIRANK_TIMEOUT_S``, default 420 s);
   on timeout the whole process group is killed and the test fails with the output.
@@ -25,7 +30,42 @@ import megatron_ext.cpu_backend  # noqa: F401  before any apply(): how the Mamba
 from megatron_ext import mcore
 
 REPO = Path(__file__).resolve().parents[1]
-SERIES = mcore.release_series(mcore.installed_version())
+
+
+def code_series() -> str:
+    """The release series whose code the installed megatron-core has.
+
+    For each recorded release (``megatron_ext/fingerprints.json``, trees without a commit), count
+    the functions the patches check whose installed source has that release's fingerprint; the
+    series of the release sharing the most (the newest on a tie). A PyPI release is its own series;
+    a Megatron-LM main tree ("0.20.0" for every commit since 0.19 branched off) gets the series its
+    code is nearest to (0.19 for 2a75ac12c5, measured values of 0.19 hold there unless a test says
+    otherwise by what the code has, e.g. :data:`NEEDED_FIXES`).
+    """
+    from megatron_ext.fingerprints import known_trees
+    from megatron_ext.patches import ALL_PATCHES
+
+    releases = [tree.name for tree in known_trees().values() if not tree.commit]
+    shared = dict.fromkeys(releases, 0)
+    for patch in ALL_PATCHES:
+        found = patch.match().found
+        recorded = {**patch.fixed_fingerprints, **patch.faulty_fingerprints}
+        for tree in releases:
+            prints = recorded.get(tree, {})
+            shared[tree] += sum(prints.get(name) == digest for name, digest in found.items())
+    return mcore.release_series(max(releases, key=lambda tree: (shared[tree], releases.index(tree))))
+
+
+def needed_fixes() -> frozenset[str]:
+    """The patches ``status(force=False)`` does not call "not needed" here."""
+    from megatron_ext import status
+    from megatron_ext.patching import PatchState
+
+    return frozenset(r.patch for r in status(force=False) if r.state is not PatchState.NOT_NEEDED)
+
+
+SERIES = code_series()
+NEEDED_FIXES = needed_fixes()
 TIMEOUT_S = float(os.environ.get("MEGATRON_EXT_MULTIRANK_TIMEOUT_S", "420"))
 MULTIRANK_OPT_IN = os.environ.get("MEGATRON_EXT_MULTIRANK") == "1"
 _MULTIRANK_SKIP = pytest.mark.skipif(

@@ -15,6 +15,8 @@ usable on their own:
   bits do not depend on the batch; :func:`self_check` proves it on the running machine;
 * :func:`mla_on_cpu` (``mla``): plain-torch FlashMLA decode and the Transformer Engine split
   that multi-latent attention's latent KV cache (``cache_mla_latents``) calls;
+* :func:`local_inference_layers` (``inference_layers``): Megatron-LM main's MTP inference-layer
+  check answered without Transformer Engine (its classes are placeholders there);
 * :func:`mamba_on_cpu` (``mamba``, hybrid models only): megatron's Mamba Triton kernels under
   Triton's interpreter, stand-ins for the compiled Mamba extensions and plain-torch copies in
   place of the CUDA-asserting state-copy helpers.
@@ -33,6 +35,7 @@ from .attention import (full_sequence_attention, kvcache_attention, matched_trai
                         reference_attention, varlen_attention)
 from .batch_invariant import batch_invariant_mode, self_check
 from .device import cuda_on_cpu
+from .inference_layers import local_inference_layers
 from .kv_append import torch_kv_append
 from .mamba import mamba_on_cpu
 from .mla import mla_on_cpu
@@ -52,6 +55,7 @@ __all__ = [
     "self_check",
     "mamba_on_cpu",
     "mla_on_cpu",
+    "local_inference_layers",
 ]
 
 
@@ -62,7 +66,7 @@ def cpu_backend(batch_invariant: bool = True, seed: Optional[int] = None, mamba:
     Enters, in order: :func:`torch_kv_append`, :func:`reference_attention`, :func:`mla_on_cpu`
     (they import the megatron-core modules they patch, so those imports happen before any CUDA
     stand-in exists),
-    (with ``mamba``) :func:`mamba_on_cpu`, :func:`cuda_on_cpu` and (unless ``batch_invariant`` is
+    (with ``mamba``) :func:`mamba_on_cpu`, :func:`local_inference_layers`, :func:`cuda_on_cpu` and (unless ``batch_invariant`` is
     False) :func:`batch_invariant_mode`;
     exits in reverse order, restoring every replaced attribute and the previous
     batch-invariant state, also when the block raises.
@@ -86,6 +90,7 @@ def cpu_backend(batch_invariant: bool = True, seed: Optional[int] = None, mamba:
         stack.enter_context(mla_on_cpu())
         if mamba:
             stack.enter_context(mamba_on_cpu())
+        stack.enter_context(local_inference_layers())  # after the Mamba mixer's first import
         stack.enter_context(cuda_on_cpu(seed=seed))
         if batch_invariant:
             stack.enter_context(batch_invariant_mode(True))

@@ -20,7 +20,7 @@ from ..errors import DeviceUnavailableError
 from ..patches import (MlaAbsorbedWeightsPatch, RoutingEvictedRequestsPatch, RoutingPerBlockPatch,
                        TopNPrefillChunksPatch)
 from ..patching import fault_label
-from .audits import FAULT_OF_KIND
+from .audits import FAULT_OF_KIND, pool_blocks
 from .speculative import check_supported as check_speculative
 from .cases.planning import PlannedRequest, check_top_n_fits, plan_requests, validate_planned
 from .cases.schema import Case, CaseFileError
@@ -637,7 +637,7 @@ def _one_run(model, case, planned, prefix_caching, policy, on_step, on_run, toke
     started = time.perf_counter()
     engine, context = build_engine(model, case, prefix_caching, policy, tokenizer)
     record = RunRecord(prefix_caching, policy if prefix_caching else None)
-    record.total_blocks = int(context.kv_block_allocator.total_count)
+    record.total_blocks = pool_blocks(context.kv_block_allocator)
     drive(engine, context, case, planned, record, on_step, updater)
     if record.error and is_multi_rank():  # this rank left the lockstep: it cannot go on
         raise rank_failed(policy if prefix_caching else "caching off", record.error)

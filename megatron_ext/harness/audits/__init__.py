@@ -13,8 +13,9 @@
 A new audit is a module here, fed by :class:`ContextAudit` and counted in :class:`AuditSummary`.
 """
 
-from .base import FAULT_OF_KIND, Violation
+from .base import FAULT_OF_KIND, Violation, free_blocks, pool_blocks
 from .context import AuditSummary, ContextAudit
 from .pool import PoolPressure, PrefixCacheCounters
 
-__all__ = ["FAULT_OF_KIND", "AuditSummary", "ContextAudit", "PoolPressure", "PrefixCacheCounters", "Violation"]
+__all__ = ["FAULT_OF_KIND", "AuditSummary", "ContextAudit", "PoolPressure", "PrefixCacheCounters", "Violation",
+           "free_blocks", "pool_blocks"]

@@ -98,3 +98,17 @@ class AuditLog:
         for row in self.live_rows():
             owners.update(b for b in self.block_table(row) if b >= 0)
         return owners
+
+
+def pool_blocks(allocator: Any) -> int:
+    """Blocks in the allocator's pool, the dummy block included.
+
+    0.17-0.19 call it ``total_count``; Megatron-LM main (since 2a75ac12c5) ``pool_size``.
+    """
+    return int(allocator.pool_size if hasattr(allocator, "pool_size") else allocator.total_count)
+
+
+def free_blocks(allocator: Any) -> int:
+    """Blocks in the allocator's free pool (``block_bag[:n]``): ``total_avail`` on 0.17-0.19,
+    ``pool_avail`` on Megatron-LM main."""
+    return int(allocator.pool_avail if hasattr(allocator, "pool_avail") else allocator.total_avail)

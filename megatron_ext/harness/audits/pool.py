@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .base import AuditLog
+from .base import AuditLog, free_blocks, pool_blocks
 
 
 @dataclass
@@ -105,11 +105,11 @@ class PoolAudit:
     def end_step(self, owners: Counter) -> None:
         """Peak pool use and paused requests after this step."""
         ctx, allocator = self.log.context, self.log.context.kv_block_allocator
-        usable = int(allocator.total_count) - 1  # the dummy block is never handed out
+        usable = pool_blocks(allocator) - 1  # the dummy block is never handed out
         peak = self.pressure
         peak.total_blocks = usable
         peak.peak_blocks_held = max(peak.peak_blocks_held, len(owners))
-        peak.peak_blocks_not_free = max(peak.peak_blocks_not_free, usable - int(allocator.total_avail))
+        peak.peak_blocks_not_free = max(peak.peak_blocks_not_free, usable - free_blocks(allocator))
         paused = int(ctx.paused_request_count)
         peak.peak_paused_requests = max(peak.peak_paused_requests, paused)
         if paused:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .base import AuditLog, Violation
+from .base import AuditLog, Violation, free_blocks
 
 
 @dataclass
@@ -36,7 +36,7 @@ class RefCountAudit:
 
     def _check_free_pool(self, owners: Counter) -> None:
         allocator = self.log.context.kv_block_allocator
-        free = allocator.block_bag[: allocator.total_avail].tolist()
+        free = allocator.block_bag[: free_blocks(allocator)].tolist()
         hashes = allocator.block_hashes.tolist()
         for block, times in Counter(free).items():
             if times > 1:
@@ -50,7 +50,7 @@ class RefCountAudit:
     def drain(self) -> None:
         """At drain: every block is free or cached (hashed) with ref count 0, each exactly once."""
         allocator = self.log.context.kv_block_allocator
-        free = set(allocator.block_bag[: allocator.total_avail].tolist())
+        free = set(allocator.block_bag[: free_blocks(allocator)].tolist())
         hashes = allocator.block_hashes.tolist()
         ref_counts = allocator.block_ref_counts.tolist()
         for block in range(allocator.dummy_block_idx):

@@ -42,7 +42,7 @@ from ...patches.routing_per_block import block_routing
 
 import numpy as np
 
-from .base import AuditLog, Violation
+from .base import AuditLog, Violation, pool_blocks
 
 
 @dataclass(frozen=True)
@@ -201,9 +201,9 @@ class RoutingReplayAudit:
             routing = block_routing(allocator)
         self.max_entries = max(self.max_entries, len(routing))
         dummy = int(allocator.dummy_block_idx)
-        if len(routing) > int(allocator.total_count) - 1:
+        if len(routing) > pool_blocks(allocator) - 1:
             self._add(-1, -1, f"block_routing holds {len(routing)} entries, more than the pool's "
-                      f"{int(allocator.total_count) - 1} blocks")
+                      f"{pool_blocks(allocator) - 1} blocks")
         if dummy in routing:
             self._add(dummy, -1, f"block_routing holds an entry for the dummy block {dummy}")
 
