@@ -2,7 +2,7 @@
 
 ``with cpu_backend():`` lets ``DynamicInferenceContext``, ``DynamicInferenceEngine``,
 ``TextGenerationController`` and ``GPTModel`` (local layer spec, no Transformer Engine) of
-megatron-core 0.17.1, 0.18.2 and 0.19.2 run without a GPU, by combining four pieces that are also
+megatron-core 0.17.1, 0.18.2, 0.19.2 and Megatron-LM main (2a75ac12c5) run without a GPU, by combining four pieces that are also
 usable on their own:
 
 * :func:`cuda_on_cpu` (``device``): CUDA devices, pinned memory, ``torch.cuda`` events, streams
