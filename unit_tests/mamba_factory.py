@@ -37,6 +37,9 @@ def make_slot_allocator(*, max_slots: int = 4, total_blocks: int = 16, max_reque
         prefix_caching_eviction_policy=eviction_policy(policy), kv_block_allocator=kv,
         block_size_tokens=BLOCK, mamba_chunk_size=mamba_chunk_size, request_to_kv_block_ids=table,
         paused_request_count=0,
+        # read by Megatron-LM main's allocator from d98e8a64 on: a Mamba-only model's values (no
+        # Gated Delta Product layers; chunk boundaries on the Mamba chunk grid)
+        gdp_num_householder=0, ssm_chunk_alignment=mamba_chunk_size,
         batch_dimensions=types.SimpleNamespace(prefill_req_count=0, decode_req_count=0),
         mamba_conv_states=torch.zeros(1, max_requests, 2), mamba_ssm_states=torch.zeros(1, max_requests, 2))
     module = mcore.import_module(mcore.MAMBA_SLOT_ALLOCATOR_MODULE)
