@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import inspect
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from .. import mcore
 from ..patching import Patch, Target
 
 MAMBA_MIXER_MODULE = "megatron.core.ssm.mamba_mixer"
@@ -114,8 +116,17 @@ def _ssm_prefill_context_wrapper(wrapped: Callable, mixer: Any, args: tuple, kwa
 
 def prefill_target() -> Target:
     """The prefill method the installed mixer has: ``_ssm_prefill`` (0.17 to 0.19) or main's
-    ``ssm_prefill``."""
-    return SSM_PREFILL_CONTEXT if SSM_PREFILL.attribute not in vars(SSM_PREFILL.owner()) else SSM_PREFILL
+    ``ssm_prefill``. Imports nothing: before the mixer module is loaded (the start-up hook runs
+    inside megatron-core's own, circular, imports) its file says which."""
+    module = sys.modules.get(MAMBA_MIXER_MODULE)
+    if module is not None and hasattr(module, "MambaMixer"):
+        return SSM_PREFILL if SSM_PREFILL.attribute in vars(module.MambaMixer) else SSM_PREFILL_CONTEXT
+    core = sys.modules.get("megatron.core") or mcore.import_module("megatron.core")
+    try:
+        source = (Path(core.__file__).parent / "ssm" / "mamba_mixer.py").read_text(encoding="utf-8")
+    except OSError:  # no such file: the patch has nothing to wrap either way
+        return SSM_PREFILL
+    return SSM_PREFILL if f"def {SSM_PREFILL.attribute}(" in source else SSM_PREFILL_CONTEXT
 
 
 def writes_slice_only_conv_state(ssm_prefill: Callable) -> tuple[bool, str]:

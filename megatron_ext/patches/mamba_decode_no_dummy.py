@@ -22,6 +22,7 @@ passed on unchanged; the kernel's outputs are the same bits.
 from __future__ import annotations
 
 import inspect
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,7 +42,7 @@ def _present() -> tuple[Target, Target]:
     """(kernel, launcher) where the installed tree has them: ``ops/mamba_ssm.py`` (0.17 to 0.19,
     main at 2a75ac12c5) or main's ``ops/mamba2/mamba_ssm.py``. Looks at the files, imports nothing
     (this runs from the start-up hook, inside megatron-core's own imports)."""
-    package = Path(mcore.import_module("megatron.core").__file__).parent
+    package = Path((sys.modules.get("megatron.core") or mcore.import_module("megatron.core")).__file__).parent
     moved = package.joinpath(*MOVED_MAMBA_SSM_MODULE.split(".")[2:]).with_suffix(".py")
     old = package.joinpath(*MAMBA_SSM_MODULE.split(".")[2:]).with_suffix(".py")
     return (MOVED_KERNEL, MOVED_LAUNCHER) if moved.is_file() and not old.is_file() else (KERNEL, LAUNCHER)
