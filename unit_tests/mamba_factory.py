@@ -27,8 +27,8 @@ def make_slot_allocator(*, max_slots: int = 4, total_blocks: int = 16, max_reque
     """MambaSlotAllocator with ``max_slots`` slots over ``total_blocks`` KV blocks, all of ref
     count 1 (held by live requests), no hash. Request row r's block table is
     ``[100 r + 10, 100 r + 11, ...]`` (32 blocks)."""
-    kv = types.SimpleNamespace(
-        total_count=total_blocks, block_ref_counts=torch.ones(total_blocks, dtype=torch.int32),
+    kv = types.SimpleNamespace(  # the block count under its name up to 0.19 and on main after it
+        total_count=total_blocks, pool_size=total_blocks, block_ref_counts=torch.ones(total_blocks, dtype=torch.int32),
         block_timestamps=torch.zeros(total_blocks, dtype=torch.int64),
         block_hashes=torch.full((total_blocks,), -1, dtype=torch.int64))
     table = torch.arange(32, dtype=torch.int32) + 10 + 100 * torch.arange(max_requests, dtype=torch.int32)[:, None]
@@ -37,6 +37,9 @@ def make_slot_allocator(*, max_slots: int = 4, total_blocks: int = 16, max_reque
         prefix_caching_eviction_policy=eviction_policy(policy), kv_block_allocator=kv,
         block_size_tokens=BLOCK, mamba_chunk_size=mamba_chunk_size, request_to_kv_block_ids=table,
         paused_request_count=0,
+        # read by Megatron-LM main's allocator from d98e8a64 on: a Mamba-only model's values (no
+        # Gated Delta Product layers; chunk boundaries on the Mamba chunk grid)
+        gdp_num_householder=0, ssm_chunk_alignment=mamba_chunk_size,
         batch_dimensions=types.SimpleNamespace(prefill_req_count=0, decode_req_count=0),
         mamba_conv_states=torch.zeros(1, max_requests, 2), mamba_ssm_states=torch.zeros(1, max_requests, 2))
     module = mcore.import_module(mcore.MAMBA_SLOT_ALLOCATOR_MODULE)
@@ -81,7 +84,7 @@ def stage_commit(allocator, intermediate_bids: list[int], eos_bid: int = -1) -> 
     r["eos_cache_block_id"][0] = eos_bid
     allocator._has_intermediates = True
     kv = context.kv_block_allocator
-    kv.block_hashes.copy_(100 + torch.arange(kv.total_count))
+    kv.block_hashes.copy_(100 + torch.arange(kv.block_hashes.numel()))
     for i in range(allocator.intermediate_ssm_out.shape[1]):
         allocator.intermediate_ssm_out[:, i] = i + 1.0
         allocator.intermediate_conv_out[:, i] = i + 1.0

@@ -70,7 +70,7 @@ from megatron_ext import mcore
 from megatron_ext.patches.lru_leaf_first_eviction import takes_parent_hashes
 from megatron_ext.patches.release_refcount import RELEASE
 
-from .allocator_factory import make_allocator
+from .allocator_factory import free_count, make_allocator
 from .allocator_model import OwnerModel, parent_hash, prefix_hash
 from .conftest import UNPATCHED
 
@@ -438,7 +438,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert not self.model.requests
         owned = [(b, n) for b, n in enumerate(self.allocator.block_ref_counts.tolist()) if n]
         assert not owned, f"drained, but (block, ref count) {owned} still have owners"
-        free = set(self.allocator.block_bag.tolist()[: self.allocator.total_avail])
+        free = set(self.allocator.block_bag.tolist()[: free_count(self.allocator)])
         lost = set(range(self.model.usable)) - free - set(self.model.hash_of)
         assert not lost, f"drained, but blocks {sorted(lost)} are neither free nor cached"
 
@@ -467,7 +467,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert kv_map == model.block_of
 
         usable = model.usable
-        free = allocator.block_bag.tolist()[: allocator.total_avail]
+        free = allocator.block_bag.tolist()[: free_count(allocator)]
         assert len(free) == len(set(free)), f"duplicate free IDs {sorted(free)}"
         assert all(0 <= b < usable for b in free), f"free IDs {sorted(free)} include the dummy block"
         live = model.live()

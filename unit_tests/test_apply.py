@@ -77,23 +77,49 @@ EXPECTED_STATUS = {
         "routing-evicted-requests": "applicable",
         "mla-decode-flag": "applicable", "mla-absorbed-weights": "applicable",
     },
+    # Megatron-LM main (2a75ac12c5, "0.20.0"): decided by the fault tests run unpatched there
+    "0.20": {
+        "release-refcount": "not needed", "lru-leaf-first-eviction": "not needed",
+        "lru-register-once": "not needed", "lru-pin-before-allocate": "not needed",
+        "matched-block-writes": "applicable", "lru-resume-evictable": "not needed",
+        "weight-update-invalidation": "applicable",
+        "top-n-prefill-chunks": "applicable",
+        "deregister-own-hash": "applicable",
+        "mamba-chunk-size": "not needed",
+        "mamba-snapshot-offsets": "not needed",
+        "mamba-slot-exhaustion": "not needed",
+        "mamba-match-in-chunk": "not needed",
+        "mamba-clamp-restore": "applicable",
+        "mamba-conv-carry": "applicable",
+        "mamba-continuation-skip": "applicable",
+        "mamba-aligned-chunks": "applicable",
+        "mamba-decode-no-dummy": "applicable",
+        "routing-per-block": "not needed",
+        "routing-finished-blocks": "applicable",
+        "routing-evicted-requests": "applicable",
+        "mla-decode-flag": "not needed", "mla-absorbed-weights": "applicable",
+    },
 }
 TARGETS = (RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL)
 PATCHED_TARGETS = {"0.17": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL],
                    "0.18": [RELEASE, ADD_REQUEST, EVICT, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL],
-                   "0.19": [ADD_REQUEST, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL]}
+                   "0.19": [ADD_REQUEST, REGISTER, RESUME, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL],
+                   "0.20": [ADD_REQUEST, DEREGISTER, COMPUTE_PREFIX_MATCH, KERNEL]}
 #: The wrappers on add_request, outermost first (installed in ALL_PATCHES order).
 ADD_REQUEST_STACK = {"0.17": ["weight-update-invalidation", "matched-block-writes", "lru-pin-before-allocate"],
                      "0.18": ["weight-update-invalidation", "matched-block-writes", "lru-pin-before-allocate"],
-                     "0.19": ["weight-update-invalidation", "matched-block-writes"]}
+                     "0.19": ["weight-update-invalidation", "matched-block-writes"],
+                     "0.20": ["weight-update-invalidation", "matched-block-writes"]}
 #: The wrappers on _deregister_blocks, outermost first.
 DEREGISTER_STACK = {"0.17": ["deregister-own-hash", "lru-leaf-first-eviction"],
                     "0.18": ["deregister-own-hash", "lru-leaf-first-eviction"],
-                    "0.19": ["deregister-own-hash"]}
+                    "0.19": ["deregister-own-hash"],
+                    "0.20": ["deregister-own-hash"]}
 #: The wrappers on _compute_prefix_match (issue 22: H5, H1), outermost first.
 PREFIX_MATCH_STACK = {"0.17": ["mamba-continuation-skip", "mamba-match-in-chunk"],
                       "0.18": ["mamba-continuation-skip", "mamba-clamp-restore", "mamba-match-in-chunk"],
-                      "0.19": ["mamba-continuation-skip", "mamba-clamp-restore"]}
+                      "0.19": ["mamba-continuation-skip", "mamba-clamp-restore"],
+                      "0.20": ["mamba-continuation-skip", "mamba-clamp-restore"]}
 
 
 @pytest.fixture(autouse=True)
@@ -286,16 +312,19 @@ def test_changed_target_is_refused_naming_function_and_versions(changed_prefix_m
 
 
 #: The patches that rely on _compute_prefix_match (refused once it is changed), per release series.
-RELY_ON_PREFIX_MATCH = {"0.17": ["lru-pin-before-allocate", "mamba-continuation-skip", "mamba-match-in-chunk",
-                                 "matched-block-writes"],
-                        "0.18": ["lru-pin-before-allocate", "mamba-clamp-restore", "mamba-continuation-skip",
+RELY_ON_PREFIX_MATCH = {"0.17": ["lru-pin-before-allocate", "mamba-aligned-chunks", "mamba-continuation-skip",
                                  "mamba-match-in-chunk", "matched-block-writes"],
+                        "0.18": ["lru-pin-before-allocate", "mamba-aligned-chunks", "mamba-clamp-restore",
+                                 "mamba-continuation-skip", "mamba-match-in-chunk", "matched-block-writes"],
                         "0.19": ["mamba-aligned-chunks", "mamba-clamp-restore", "mamba-continuation-skip",
+                                 "matched-block-writes"],
+                        "0.20": ["mamba-aligned-chunks", "mamba-clamp-restore", "mamba-continuation-skip",
                                  "matched-block-writes"]}
 #: The wrappers on _deregister_blocks, outermost first.
 DEREGISTER_STACK = {"0.17": ["deregister-own-hash", "lru-leaf-first-eviction"],
                     "0.18": ["deregister-own-hash", "lru-leaf-first-eviction"],
-                    "0.19": ["deregister-own-hash"]}
+                    "0.19": ["deregister-own-hash"],
+                    "0.20": ["deregister-own-hash"]}
 
 
 def test_strict_apply_does_not_raise_for_a_refused_patch_that_skip_leaves_out(changed_prefix_match, monkeypatch,

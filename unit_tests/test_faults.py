@@ -14,6 +14,7 @@ from megatron_ext import mcore
 from megatron_ext.patches.matched_block_writes import MATCHED_RANGES
 from megatron_ext.patches.release_refcount import RefCountUnderflowError, release_blocks_per_occurrence
 
+from .allocator_factory import block_count, free_count
 from .conftest import SOURCE_PATCHED
 from .context_factory import add_and_collect_writes, make_request, prefix_caching_context
 
@@ -25,7 +26,7 @@ def books(ctx) -> tuple:
     return (
         allocator.block_ref_counts.tolist(),
         dict(allocator.kv_hash_to_block_id),
-        sorted(allocator.block_bag[: allocator.total_avail].tolist()),
+        sorted(allocator.block_bag[: free_count(allocator)].tolist()),
         ctx.total_request_count,
         ctx.active_token_count,
         allocator.block_hashes.tolist(),
@@ -109,7 +110,7 @@ def test_exception_inside_patched_release_restores_the_books(install_megatron_ex
         ctx.release_memory_blocks_from_request_indexes(torch.tensor([0, 1, 2]))
         assert allocator.block_ref_counts.tolist() == [0] * len(allocator.block_ref_counts)
         assert dict(allocator.kv_hash_to_block_id) == {}
-        assert allocator.total_avail == allocator.total_count - 1  # all but the dummy block
+        assert free_count(allocator) == block_count(allocator) - 1  # all but the dummy block
 
 
 @pytest.mark.parametrize("policy", ["REF_ZERO", "LRU"])

@@ -56,6 +56,7 @@ from megatron_ext.harness.factories import small_prefix_caching_context
 from megatron_ext.patches import ALL_PATCHES
 from megatron_ext.patches import weight_update_invalidation as fault8
 
+from .allocator_factory import free_count
 from .conftest import SOURCE_PATCHED, UNPATCHED
 from .context_factory import BLOCK, finish_chunk, make_request
 
@@ -167,7 +168,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         hashes = make_request(0, prompt(blocks)).precomputed_block_hashes
         if not self.applied:  # the released code without faults: no match, no eviction
             fresh = not any(h in self.allocator.kv_hash_to_block_id for h in hashes)
-            if not fresh or self.allocator.total_avail < len(blocks):
+            if not fresh or free_count(self.allocator) < len(blocks):
                 return
         req = make_request(self.next_id, prompt(blocks))
         self.next_id += 1
@@ -358,7 +359,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         owners: Counter = Counter()
         for row in range(len(self.live)):
             owners.update(self.ctx.request_to_kv_block_ids[row][: int(self.ctx.request_kv_block_counts[row])].tolist())
-        free = allocator.block_bag[: allocator.total_avail].tolist()
+        free = allocator.block_bag[: free_count(allocator)].tolist()
         assert len(set(free)) == len(free)
         for block in range(USABLE):
             assert refs[block] == owners[block], f"block {block}: ref {refs[block]}, {owners[block]} owners"

@@ -24,7 +24,7 @@ from megatron_ext.cpu_backend import cuda_on_cpu
 from megatron_ext.harness.factories import small_prefix_caching_context
 from megatron_ext.patches.lru_leaf_first_eviction import PrefixForestError, evict_leaves_first, prefix_forest
 
-from .allocator_factory import free_ids, make_allocator
+from .allocator_factory import block_count, free_ids, make_allocator
 from .context_factory import BLOCK, finish_chunk, make_request
 
 A = list(range(1000, 1032))
@@ -299,11 +299,11 @@ def test_long_and_short_registration_runs_link_each_block_to_its_table_predecess
         ctx.add_request(make_request(2, extended))
         first, second = table(ctx, 40), table(ctx, 40, row=1)
         assert second[:35] == first[:35] and not set(second[35:]) & set(first)
-        expected_parents, expected_children = predecessor_books(ctx.kv_block_allocator.total_count, [first, second])
+        expected_parents, expected_children = predecessor_books(block_count(ctx.kv_block_allocator), [first, second])
         assert expected_children[first[34]] == 2  # first[35] and second[35]
         assert forest(ctx) == (expected_parents, expected_children)
         allocator = ctx.kv_block_allocator
         parent_id, child_count = allocator.block_parent_id, allocator.block_child_count
         ctx.reset()
         assert allocator.block_parent_id is parent_id and allocator.block_child_count is child_count
-        assert forest(ctx) == ([-1] * allocator.total_count, [0] * allocator.total_count)
+        assert forest(ctx) == ([-1] * block_count(allocator), [0] * block_count(allocator))

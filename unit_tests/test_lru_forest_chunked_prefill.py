@@ -5,6 +5,7 @@ chunk. Expected books: each registered block's parent is the entry before it in 
 
 from __future__ import annotations
 
+from .allocator_factory import block_count
 from .context_factory import BLOCK, finish_chunk, make_request
 from .test_lru_faults import forest, lru_context, predecessor_books, table
 
@@ -28,4 +29,4 @@ def test_chunked_registrations_link_to_table_predecessors(runtime_patches_either
         chunked(ctx, r2, [20, 40, 36])
         first, second = table(ctx, 5), table(ctx, 6, row=1)
         assert second[:3] == first[:3] and not set(second[3:]) & set(first)
-        assert forest(ctx) == predecessor_books(ctx.kv_block_allocator.total_count, [first, second])
+        assert forest(ctx) == predecessor_books(block_count(ctx.kv_block_allocator), [first, second])

@@ -116,5 +116,5 @@ def test_restorable_skip_backs_off_block_by_block():
 
 def test_needed_on_018_and_019_only():
     needed, evidence = MambaClampRestorePatch().needed()
-    assert needed == (SERIES in ("0.18", "0.19") and not SOURCE_PATCHED), evidence
+    assert needed == (SERIES in ("0.18", "0.19", "0.20") and not SOURCE_PATCHED), evidence
     assert has_clamp(COMPUTE_PREFIX_MATCH.original()) == (SERIES != "0.17")

@@ -17,13 +17,14 @@ The SSM state is exact either way (0.17's unpatched chunked SSM differs too: fau
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from megatron_ext.patches.mamba_conv_carry import SSM_PREFILL, carry_conv_states, writes_slice_only_conv_state
+from megatron_ext.patches.mamba_conv_carry import carry_conv_states, prefill_target, writes_slice_only_conv_state
 
 from .conftest import SOURCE_PATCHED, UNPATCHED, run_triton_probe
 
@@ -54,7 +55,8 @@ def test_two_token_last_prefill_chunk_gives_the_reference_states(probe):
 #: state inside the forward pass, before the commit copies it).
 EOS = {"0.17": {"slices": [15, 15, 2], "committed": False},
        "0.18": {"slices": [15, 15, 2], "committed": False},
-       "0.19": {"slices": [15, 1, 14, 2], "committed": True, "conv_equal": True, "conv_columns_differing": [[]]}}
+       "0.19": {"slices": [15, 1, 14, 2], "committed": True, "conv_equal": True, "conv_columns_differing": [[]]},
+       "0.20": {"slices": [15, 1, 14, 2], "committed": True, "conv_equal": True, "conv_columns_differing": [[]]}}
 
 
 def test_block_aligned_prompt_ending_in_a_two_token_slice_commits_the_reference_conv_state(probe, mcore_series):
@@ -76,9 +78,18 @@ def test_carry_conv_states_is_the_last_d_conv_inputs_of_history_and_slice(length
     assert torch.equal(carry_conv_states(previous, written, cu_seqlens), want)
 
 
+def fixed_upstream() -> bool:
+    """Whether the installed prefill carries the conv state itself (Megatron-LM #6711, on main from
+    2026-08-22: d98e8a64 has it, 2a75ac12c5 does not)."""
+    return "causal_conv1d_varlen_carry_states" in inspect.getsource(prefill_target().original())
+
+
 def test_the_code_probe_tells_released_from_source_patched_ssm_prefill():
-    has_fault, evidence = writes_slice_only_conv_state(SSM_PREFILL.original())
-    assert (has_fault, "_carry_conv_states" in evidence) == (not SOURCE_PATCHED, SOURCE_PATCHED), evidence
+    has_fault, evidence = writes_slice_only_conv_state(prefill_target().original())
+    if fixed_upstream():
+        assert (has_fault, "#6711" in evidence) == (False, True), evidence
+    else:
+        assert (has_fault, "_carry_conv_states" in evidence) == (not SOURCE_PATCHED, SOURCE_PATCHED), evidence
 
 
 def test_apply_imports_the_mixer_the_cpu_backend_can_still_run():
@@ -90,5 +101,5 @@ def test_apply_imports_the_mixer_the_cpu_backend_can_still_run():
             "mixer = sys.modules['megatron.core.ssm.mamba_mixer']\n"
             "print(states['mamba-conv-carry'], mixer.HAVE_MAMBA_SSM, 'selective_scan_cuda' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    state = "not needed" if SOURCE_PATCHED else "applied"
+    state = "not needed" if SOURCE_PATCHED or fixed_upstream() else "applied"
     assert out.splitlines()[-1] == f"{state} True False"

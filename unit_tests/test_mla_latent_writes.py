@@ -20,6 +20,8 @@ from megatron_ext.harness.audits import FAULT_OF_KIND, ContextAudit
 from megatron_ext.harness.engine import ensure_model_parallel
 from megatron_ext.harness.factories import prefix_caching_request
 
+from .allocator_factory import block_count
+
 BLOCK = 64  # megatron-core's latent cache asserts it
 LATENT = 32 + 8  # kv_lora_rank + qk_pos_emb_head_dim
 A = list(range(1000, 1000 + 2 * BLOCK))
@@ -68,7 +70,7 @@ def append_latents(ctx) -> torch.Tensor:
 def test_a_latent_write_into_a_matched_block_is_fault_2_unless_patched(patched):
     with cuda_on_cpu():
         ctx = latent_context()
-        assert ctx.cache_mla_latent and tuple(ctx.memory_buffer.shape[1:]) == (ctx.kv_block_allocator.total_count, BLOCK, LATENT)
+        assert ctx.cache_mla_latent and tuple(ctx.memory_buffer.shape[1:]) == (block_count(ctx.kv_block_allocator), BLOCK, LATENT)
         audit = ContextAudit(ctx).attach()
         ctx.add_request(prefix_caching_request(1, A, BLOCK))
         shared = ctx.request_to_kv_block_ids[0][:2].tolist()

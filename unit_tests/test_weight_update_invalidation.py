@@ -32,6 +32,7 @@ from megatron_ext.patches import weight_update_invalidation as fault8
 from megatron_ext.patches import weight_versions
 from megatron_ext.patches.matched_block_writes import MATCHED_RANGES
 
+from .allocator_factory import free_count
 from .conftest import SOURCE_PATCHED, UNPATCHED
 from .context_factory import BLOCK, finish_chunk, make_request
 
@@ -88,14 +89,14 @@ def test_cached_and_live_blocks_become_unmatchable_and_the_books_stay_whole(ctx)
     hash_a = make_request(0, A).precomputed_block_hashes
     assert registered(ctx) == ({6: hash_a[0], 7: hash_a[1], 5: make_request(0, B).precomputed_block_hashes[0]}
                                if lru(ctx) else {6: hash_a[0], 7: hash_a[1]})
-    avail_before = allocator.total_avail
+    avail_before = free_count(allocator)
 
     result = invalidate(ctx)
 
     assert result == fault8.InvalidationResult(blocks_unreachable=2, blocks_freed=1 if lru(ctx) else 0, epoch=1)
     assert registered(ctx) == {} and allocator.kv_hash_to_block_id == {}
     assert ref_counts(ctx)[5:8] == [0, 1, 1]  # A's holder keeps its blocks
-    assert allocator.total_avail == avail_before + (1 if lru(ctx) else 0)  # cached B back in the pool
+    assert free_count(allocator) == avail_before + (1 if lru(ctx) else 0)  # cached B back in the pool
     if lru(ctx):
         assert allocator.block_parent_id.tolist() == [-1] * 9
         assert allocator.block_child_count.tolist() == [0] * 9
@@ -113,11 +114,11 @@ def test_cached_and_live_blocks_become_unmatchable_and_the_books_stay_whole(ctx)
     assert ctx.prefix_cache_blocks_matched == matched + 2
 
     # A's first holder finishes: its unhashed blocks go back to the free pool under both policies.
-    avail = allocator.total_avail
+    avail = free_count(allocator)
     retire(ctx, [0])
     assert ref_counts(ctx)[6:8] == [0, 0]
-    assert allocator.total_avail == avail + 2
-    assert sorted(allocator.block_bag[allocator.total_avail - 2: allocator.total_avail].tolist()) == [6, 7]
+    assert free_count(allocator) == avail + 2
+    assert sorted(allocator.block_bag[free_count(allocator) - 2: free_count(allocator)].tolist()) == [6, 7]
 
 
 def test_a_chunked_prefill_straddling_the_update_neither_matches_nor_registers(ctx):

@@ -156,6 +156,6 @@ class MambaAlignedChunksPatch(Patch):
         return {SCHEDULE: _schedule_wrapper}
 
     def checked_functions(self) -> tuple[Target, ...]:
-        if _skips_outside_budget():
-            return (SCHEDULE, CHECK_AVAILABILITY, CAN_SCHEDULE, COMPUTE_PREFIX_MATCH)
-        return (SCHEDULE, CHECK_AVAILABILITY)
+        """The same four on every tree (one set of names per recorded tree; 0.17 and 0.18 have no
+        ``_can_schedule_chunked_prefill``, recorded absent)."""
+        return (SCHEDULE, CHECK_AVAILABILITY, CAN_SCHEDULE, COMPUTE_PREFIX_MATCH)

@@ -12,7 +12,9 @@ prefix-cache restore leaves when a prompt ends 1-2 tokens after a restored Mamba
 ``x32`` as 0), and what chunked prefill leaves when a prompt's last chunk is that short. The SSM
 state is unaffected. Caching on then differs from caching off by far more than rounding.
 
-Megatron-LM fixed it on main in #6711 (2026-08-22, in no release yet): the new state is built by
+Megatron-LM main renamed the method ``ssm_prefill`` (its varlen metadata read from the context;
+the fault is still there at 2a75ac12c5, whose ``ssm_prefill`` this patch wraps the same way) and
+fixed it in #6711 (2026-08-22, at d98e8a64, in no release yet): the new state is built by
 ``causal_conv1d_varlen_carry_states(xBC, cu_seqlens, previous_conv_states)``, whose columns come
 from the slice where the slice reaches back that far and otherwise from the incoming state. This
 patch mirrors that rule: it reads the prefill requests' incoming conv states before the released
@@ -25,14 +27,20 @@ from __future__ import annotations
 
 import inspect
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from .. import mcore
 from ..patching import Patch, Target
 
 MAMBA_MIXER_MODULE = "megatron.core.ssm.mamba_mixer"
 SSM_PREFILL = Target(MAMBA_MIXER_MODULE, "MambaMixer._ssm_prefill")
+#: Megatron-LM main's name for it (after 0.19: ``ssm_prefill(zxBCdt, conv_state, ssm_state, context)``,
+#: dynamic batching only, the varlen metadata read from ``context.mamba_metadata``); the fault is
+#: there at 2a75ac12c5 and gone at d98e8a64 (#6711).
+SSM_PREFILL_CONTEXT = Target(MAMBA_MIXER_MODULE, "MambaMixer.ssm_prefill")
 
 
 #: ``_ssm_prefill``'s leading parameters after ``self`` (the same in 0.17.0 to 0.19.2).
@@ -91,6 +99,36 @@ def _ssm_prefill_wrapper(wrapped: Callable, mixer: Any, args: tuple, kwargs: dic
     return result
 
 
+def _ssm_prefill_context_wrapper(wrapped: Callable, mixer: Any, args: tuple, kwargs: dict) -> Any:
+    """The same as :func:`_ssm_prefill_wrapper` for main's ``ssm_prefill(zxBCdt, conv_state,
+    ssm_state, context)``, which always writes the prefill requests' conv states: the slices and
+    the rows come from ``context.mamba_metadata`` (``cu_seqlens``, ``batch_indices_prefill``)."""
+    conv_state = kwargs["conv_state"] if "conv_state" in kwargs else args[1]
+    context = kwargs["context"] if "context" in kwargs else args[3]
+    metadata = context.mamba_metadata
+    batch_indices, cu_seqlens = metadata.batch_indices_prefill, metadata.cu_seqlens
+    previous = conv_state[batch_indices]  # a copy, taken before the released write
+    result = wrapped(*args, **kwargs)
+    carried = carry_conv_states(previous, conv_state[batch_indices], cu_seqlens)
+    sys.modules[MAMBA_MIXER_MODULE].tensor_masked_update(conv_state, batch_indices, carried)
+    return result
+
+
+def prefill_target() -> Target:
+    """The prefill method the installed mixer has: ``_ssm_prefill`` (0.17 to 0.19) or main's
+    ``ssm_prefill``. Imports nothing: before the mixer module is loaded (the start-up hook runs
+    inside megatron-core's own, circular, imports) its file says which."""
+    module = sys.modules.get(MAMBA_MIXER_MODULE)
+    if module is not None and hasattr(module, "MambaMixer"):
+        return SSM_PREFILL if SSM_PREFILL.attribute in vars(module.MambaMixer) else SSM_PREFILL_CONTEXT
+    core = sys.modules.get("megatron.core") or mcore.import_module("megatron.core")
+    try:
+        source = (Path(core.__file__).parent / "ssm" / "mamba_mixer.py").read_text(encoding="utf-8")
+    except OSError:  # no such file: the patch has nothing to wrap either way
+        return SSM_PREFILL
+    return SSM_PREFILL if f"def {SSM_PREFILL.attribute}(" in source else SSM_PREFILL_CONTEXT
+
+
 def writes_slice_only_conv_state(ssm_prefill: Callable) -> tuple[bool, str]:
     """Whether ``_ssm_prefill`` builds the new conv state from the slice alone. Reads its source.
     Returns ``(has_fault, evidence)``."""
@@ -114,12 +152,20 @@ class MambaConvCarryPatch(Patch):
     waits_for_import = (SSM_PREFILL,)
 
     def wrappers(self) -> dict[Target, Callable]:
+        if prefill_target() is SSM_PREFILL_CONTEXT:
+            return {SSM_PREFILL_CONTEXT: _ssm_prefill_context_wrapper}
         return {SSM_PREFILL: _ssm_prefill_wrapper}
+
+    def checked_functions(self) -> tuple[Target, ...]:
+        """Both names: each tree has one of them (the other is recorded absent)."""
+        return (SSM_PREFILL, SSM_PREFILL_CONTEXT)
 
     def needed(self) -> tuple[bool, str]:
         """Not needed on source-patched code (fingerprint) nor on code that carries the state
         itself (:func:`writes_slice_only_conv_state`)."""
-        needed, evidence = super().needed()
-        if not needed:
-            return needed, evidence
-        return writes_slice_only_conv_state(SSM_PREFILL.original())
+        target = prefill_target()
+        if target is SSM_PREFILL:  # the source patches of patches/ edit _ssm_prefill
+            needed, evidence = super().needed()
+            if not needed:
+                return needed, evidence
+        return writes_slice_only_conv_state(target.original())

@@ -22,6 +22,8 @@ passed on unchanged; the kernel's outputs are the same bits.
 from __future__ import annotations
 
 import inspect
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from .. import mcore
@@ -30,6 +32,20 @@ from ..patching import KernelLaunch, Patch, Target
 MAMBA_SSM_MODULE = "megatron.core.ssm.ops.mamba_ssm"
 KERNEL = Target(MAMBA_SSM_MODULE, "_selective_scan_update_kernel")
 LAUNCHER = Target(MAMBA_SSM_MODULE, "selective_state_update")
+#: Where Megatron-LM main moved the same file (d98e8a64, 2026-08-22: byte for byte 0.19.2's).
+MOVED_MAMBA_SSM_MODULE = "megatron.core.ssm.ops.mamba2.mamba_ssm"
+MOVED_KERNEL = Target(MOVED_MAMBA_SSM_MODULE, "_selective_scan_update_kernel")
+MOVED_LAUNCHER = Target(MOVED_MAMBA_SSM_MODULE, "selective_state_update")
+
+
+def _present() -> tuple[Target, Target]:
+    """(kernel, launcher) where the installed tree has them: ``ops/mamba_ssm.py`` (0.17 to 0.19,
+    main at 2a75ac12c5) or main's ``ops/mamba2/mamba_ssm.py``. Looks at the files, imports nothing
+    (this runs from the start-up hook, inside megatron-core's own imports)."""
+    package = Path((sys.modules.get("megatron.core") or mcore.import_module("megatron.core")).__file__).parent
+    moved = package.joinpath(*MOVED_MAMBA_SSM_MODULE.split(".")[2:]).with_suffix(".py")
+    old = package.joinpath(*MAMBA_SSM_MODULE.split(".")[2:]).with_suffix(".py")
+    return (MOVED_KERNEL, MOVED_LAUNCHER) if moved.is_file() and not old.is_file() else (KERNEL, LAUNCHER)
 
 
 #: Positions in ``_selective_scan_update_kernel``'s parameter list (0.17.0 to 0.19.2, fingerprinted):
@@ -64,22 +80,29 @@ class MambaDecodeNoDummyPatch(Patch):
     fault = "H10"
     source_patched_targets = (LAUNCHER,)
     # MEGATRON_EXT_AUTO: the Mamba mixer imports the module; until then, importing it (and Triton)
-    # from the dynamic context's hook would cost every GPT-only job
-    waits_for_import = (KERNEL,)
+    # from the dynamic context's hook would cost every GPT-only job (waits_for_import, below)
 
     def wrappers(self) -> dict[Target, KernelLaunch]:
-        return {KERNEL: KernelLaunch(_launch_without_dummy)}
+        return {_present()[0]: KernelLaunch(_launch_without_dummy)}
+
+    @property
+    def waits_for_import(self) -> tuple[Target, ...]:  # type: ignore[override]
+        return (_present()[0],)
 
     def checked_functions(self) -> tuple[Target, ...]:
-        """The kernel (positions of its arguments, its ``HAS_INT_STATE`` heuristic) and its launcher."""
-        return KERNEL, LAUNCHER
+        """The kernel (positions of its arguments, its ``HAS_INT_STATE`` heuristic) and its launcher,
+        wherever the tree keeps them (fingerprints are keyed by name: the moved file's functions
+        compare with the releases' directly)."""
+        return _present()
 
     def needed(self) -> tuple[bool, str]:
         """Not needed on source-patched code (fingerprint), on code without the dummy
         (:func:`passes_dummy_buffer`), nor without Triton (megatron-core then has no kernel)."""
-        needed, evidence = super().needed()
-        if not needed:
-            return needed, evidence
-        if not getattr(mcore.import_module(MAMBA_SSM_MODULE), "HAVE_TRITON", True):
-            return False, f"Triton is not installed: {MAMBA_SSM_MODULE} has no kernel to launch"
-        return passes_dummy_buffer(LAUNCHER.original())
+        kernel, launcher = _present()
+        if launcher is LAUNCHER:  # the source patches of patches/ edit the launcher there
+            needed, evidence = super().needed()
+            if not needed:
+                return needed, evidence
+        if not getattr(mcore.import_module(launcher.module), "HAVE_TRITON", True):
+            return False, f"Triton is not installed: {launcher.module} has no kernel to launch"
+        return passes_dummy_buffer(launcher.original())

@@ -141,7 +141,7 @@ def _probe_allocator() -> Any:
     needs a GPU): 2 blocks with ref count 1 and no slot, one free slot."""
     allocator = object.__new__(ALLOCATE.owner())
     allocator.context = types.SimpleNamespace(kv_block_allocator=types.SimpleNamespace(
-        total_count=2, block_ref_counts=torch.ones(2, dtype=torch.int32),
+        total_count=2, pool_size=2, block_ref_counts=torch.ones(2, dtype=torch.int32),
         block_timestamps=torch.zeros(2, dtype=torch.int64), block_hashes=torch.full((2,), -1)))
     allocator.block_to_slot = torch.full((2,), -1, dtype=torch.int32)
     allocator.slot_to_block = torch.full((1,), -1, dtype=torch.int32)

@@ -116,6 +116,7 @@ def _probe_allocator() -> Any:
     allocator = object.__new__(owner)
     allocator.context = types.SimpleNamespace(
         block_size_tokens=16, mamba_chunk_size=16,
+        ssm_chunk_alignment=16,  # Megatron-LM main from d98e8a64 on: the Mamba chunk for a Mamba-only model
         request_to_kv_block_ids=torch.tensor([[10, 11, 12, -1]], dtype=torch.int32))
     suffix = "_cpu" if "_intermediate_block_ids_cpu" in inspect.getsource(owner.__init__) else "_gpu"
     for name, shape, fill in (("_intermediate_offsets", (1, 3), 0), ("_intermediate_block_ids", (1, 3), -1),

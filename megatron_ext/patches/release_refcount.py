@@ -77,11 +77,18 @@ def release_blocks_per_occurrence(allocator: Any, blocks: torch.Tensor) -> None:
         _free_unhashed_reached_zero(allocator, ids, after == 0)
 
 
+def _free_count_name(allocator: Any) -> str:
+    """The allocator's free-pool count attribute: ``total_avail`` (0.17 to 0.19) or ``pool_avail``
+    (Megatron-LM main after 0.19, which renamed it)."""
+    return "total_avail" if hasattr(allocator, "total_avail") else "pool_avail"
+
+
 def _deregister_reached_zero(allocator: Any, ids: torch.Tensor, reached_zero: torch.Tensor) -> None:
     """REF_ZERO: deregister each block that reached zero once; on any error, restore the books."""
     zero_ids = _distinct(allocator, ids.masked_select(reached_zero))
     hashes = allocator.block_hashes.index_select(0, zero_ids)
-    saved_avail = allocator.total_avail
+    free = _free_count_name(allocator)
+    saved_avail = getattr(allocator, free)
     try:
         allocator._deregister_blocks(zero_ids)
     except BaseException:
@@ -95,7 +102,7 @@ def _deregister_reached_zero(allocator: Any, ids: torch.Tensor, reached_zero: to
             if block_hash != -1:
                 hash_map.setdefault(block_hash, block)
         allocator.block_hashes[zero_ids] = hashes
-        allocator.total_avail = saved_avail
+        setattr(allocator, free, saved_avail)
         _undo_decrement(allocator.block_ref_counts, ids)
         raise
 
@@ -106,14 +113,15 @@ def _free_unhashed_reached_zero(allocator: Any, ids: torch.Tensor, reached_zero:
     unhashed = ids.masked_select(reached_zero & (allocator.block_hashes.index_select(0, ids) == -1))
     if unhashed.numel() == 0:
         return
-    saved_avail = allocator.total_avail
+    free = _free_count_name(allocator)
+    saved_avail = getattr(allocator, free)
     try:
         unhashed = _distinct(allocator, unhashed).to(allocator.block_bag.dtype)
         freed = unhashed.numel()
         allocator.block_bag[saved_avail : saved_avail + freed] = unhashed
-        allocator.total_avail = saved_avail + freed
+        setattr(allocator, free, saved_avail + freed)
     except BaseException:
-        allocator.total_avail = saved_avail
+        setattr(allocator, free, saved_avail)
         _undo_decrement(allocator.block_ref_counts, ids)
         raise
 

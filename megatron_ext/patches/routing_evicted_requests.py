@@ -157,6 +157,7 @@ class RoutingEvictedRequestsPatch(Patch):
         return {POST_PROCESS: _post_process_wrapper}
 
     def checked_functions(self) -> tuple[Target, ...]:
-        if routing_built_by_step():
-            return (MERGE,)
-        return (POST_PROCESS, RECONSTRUCT)
+        """The same three on every tree (one set of names per recorded tree): ``merge`` (wrapped on
+        0.17), ``post_process_requests`` (wrapped from 0.18 on) and the per-block routing it reads
+        (absent on 0.17)."""
+        return (MERGE, POST_PROCESS, RECONSTRUCT)
