@@ -34,8 +34,13 @@ GPT_CASES = [name for name in shipped_cases()
              and not load_case(name).inference.num_speculative_tokens]
 
 
+#: The default case and the weight-update case also run under Megatron-LM 2a75ac12c5 in .ci/run.
+MAIN_TREE_CASES = ("rl_rollouts", "rl_weight_update")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", GPT_CASES)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.main_tree) if name in MAIN_TREE_CASES
+                                  else name for name in GPT_CASES])
 def test_case_patched_is_bit_identical_and_audit_clean(name):
     result = run_ab(load_case(name), patched=True)
     assert result.invariance[0], result.invariance[1]
@@ -84,6 +89,7 @@ def test_lru_pressure_unpatched_fails_with_the_lru_faults_of_this_tree():
 
 
 @pytest.mark.slow
+@pytest.mark.main_tree
 def test_unpatched_audits_catch_the_faults_of_this_release(mcore_series):
     result = run_ab(load_case("rl_rollouts"), patched=False)
     assert result.total("kv_write_violations") > 0  # fix 2's fault: every release up to 0.19.2

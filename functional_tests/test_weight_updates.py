@@ -60,6 +60,7 @@ def differing(result) -> dict[str, list[tuple[str, bool]]]:
 
 
 @pytest.mark.slow
+@pytest.mark.main_tree
 def test_rl_weight_update_keep_has_stale_hits_and_differs(keep, mcore_series):
     result = run_ab(load_case("rl_weight_update"), patched=True)
     state = {p["patch"]: p["state"] for p in result.patches}

@@ -31,6 +31,8 @@ from megatron_ext.patching import PatchState, installed_patches
 
 from .allocator_factory import make_allocator, pin, ref_counts
 
+pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+
 _FAULTS_017_018 = {
     "release-refcount": "applicable", "lru-leaf-first-eviction": "applicable",
     "lru-register-once": "not needed", "lru-pin-before-allocate": "applicable",

@@ -13,11 +13,14 @@ with the runtime patches applied in ALL_PATCHES order and reversed.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_ext.patches.deregister_own_hash import blocks_with_foreign_hash
 
 from .allocator_factory import free_ids, make_allocator, ref_counts
+
+pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
 
 H, G = 1_000_009, 1_000_004
 OLDER, NEWER, OTHER = 6, 5, 4

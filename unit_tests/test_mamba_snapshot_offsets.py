@@ -9,11 +9,15 @@ With ``MEGATRON_EXT_TEST_UNPATCHED=1`` on 0.17.x / 0.18.x three tests fail (chun
 
 from __future__ import annotations
 
+import pytest
+
 from megatron_ext import mcore
 from megatron_ext.patches.mamba_snapshot_offsets import OFFSETS, filters_on_chunk_128, snapshot_offsets
 
 from .conftest import SOURCE_PATCHED
 from .mamba_factory import make_slot_allocator, request, row
+
+pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
 
 SERIES = mcore.release_series(mcore.installed_version())
 #: Whether the imported code filters on chunk 128 (0.17.x / 0.18.x, unless it carries patches/).

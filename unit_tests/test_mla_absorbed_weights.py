@@ -11,6 +11,7 @@ weight update): functional_tests/test_mla.py.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_ext.cpu_backend import cpu_backend
@@ -18,6 +19,8 @@ from megatron_ext.harness.cases import Case, load_case
 from megatron_ext.harness.engine import build_model, ensure_model_parallel
 from megatron_ext.cpu_backend.mla import split_norm_linear
 from megatron_ext.patches.mla_absorbed_weights import share_split_weights
+
+pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
 
 #: ``mla_tiny``: 4 heads, qk_head_dim 16, v_head_dim 16, kv_lora_rank 32.
 HEADS, QK, V, RANK = 4, 16, 16, 32

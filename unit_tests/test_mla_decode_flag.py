@@ -8,11 +8,15 @@ the first step raises ``TypeError`` (missing ``is_decode_only``) on every releas
 
 from __future__ import annotations
 
+import pytest
+
 from megatron_ext import mcore
 from megatron_ext.cpu_backend import cpu_backend
 from megatron_ext.harness.cases import load_case
 from megatron_ext.harness.engine import build_engine, build_model, ensure_model_parallel
 from megatron_ext.harness.tokenizer import default_tokenizer
+
+pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
 
 
 def test_every_mla_attention_call_gets_the_steps_decode_flag(runtime_patches, monkeypatch):

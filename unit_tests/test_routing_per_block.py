@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+
 pytest.importorskip("megatron.core")
 
 from megatron_ext.harness.cases import parse_case  # noqa: E402

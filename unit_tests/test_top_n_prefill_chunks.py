@@ -27,6 +27,8 @@ import types
 import pytest
 import torch
 
+pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+
 pytest.importorskip("megatron.core")
 
 from megatron_ext import mcore  # noqa: E402

@@ -20,6 +20,8 @@ from megatron_ext.patching import Patch, PatchState
 
 from .conftest import UNPATCHED
 
+pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+
 REPO = Path(__file__).resolve().parents[1]
 EDITED = "DynamicInferenceContext.add_request"
 STATUS = "import json, megatron_ext; print(json.dumps([r.as_dict() for r in megatron_ext.status()]))"
