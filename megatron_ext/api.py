@@ -160,6 +160,26 @@ def _plans(version: str, force: bool, skipped: set[str], strict: bool) -> list[P
     return [resolve(patch.name) for patch in ALL_PATCHES]
 
 
+def installed_tree() -> tuple[str, ...]:
+    """The known trees (:func:`megatron_ext.fingerprints.known_trees`) whose code every patch's
+    checked functions are, oldest first: ``("0.19.0", "0.19.2")`` on 0.19.2 (its inference code
+    equals 0.19.0's), ``("2a75ac12c5",)`` on NeMo-RL's Megatron-LM; ``()`` on code no known tree has
+    in full (each patch is then decided on its own, :meth:`~megatron_ext.patching.Patch.plan`).
+
+    Raises:
+        MegatronCoreNotFoundError: megatron-core is not importable.
+    """
+    from .fingerprints import known_trees
+
+    mcore.installed_version()  # names a missing megatron-core in one line
+    trees = set(known_trees())
+    with _LOCK:
+        for patch in ALL_PATCHES:
+            match = patch.match()
+            trees &= {*match.faulty, *match.fixed}
+    return tuple(name for name in known_trees() if name in trees)
+
+
 def revert() -> list[PatchResult]:
     """Restore the original megatron-core functions exactly. Thread-safe; a no-op if nothing is applied.
 

@@ -36,8 +36,16 @@ _STATE_STYLE = {
 }
 
 
-def _status_table(version: str, results: list[PatchResult]) -> Table:
-    table = Table(title=f"megatron-ext patches for megatron-core {version}", show_lines=True)
+def _tree_words(version: str, tree: tuple[str, ...]) -> str:
+    """``megatron-core 0.20.0 (code of Megatron-LM 2a75ac12c5)``: the installed tree, for titles."""
+    from .fingerprints import tree_labels
+
+    code = f"code of {tree_labels(tree)}" if tree else "code no known tree has in full: each patch decided on its own"
+    return f"megatron-core {version} ({code})"
+
+
+def _status_table(version: str, tree: tuple[str, ...], results: list[PatchResult]) -> Table:
+    table = Table(title=f"megatron-ext patches for {_tree_words(version, tree)}", show_lines=True)
     for column in ("fault", "patch", "target", "state", "reason", "evidence"):
         table.add_column(column, overflow="fold")
     for result in results:
@@ -55,20 +63,43 @@ def _status_table(version: str, results: list[PatchResult]) -> Table:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Print installed megatron-core version and each patch's state. Exit 1 if any is refused."""
-    from .api import status  # imports torch and megatron-core: only the commands that need it pay
+    from .api import installed_tree, status  # imports torch and megatron-core: only the commands that need it pay
 
     version = mcore.installed_version()
     results = status(force=args.force or None)
+    tree = installed_tree()
+    if args.trees:
+        return _print_trees(args, version, tree)
     from .harness.hybrid import MAMBA_STATE_DTYPE_RULE  # after status(): it names a missing megatron-core
     if args.json:
-        payload = {"megatron_core_version": version, "patches": [r.as_dict() for r in results],
-                   "rules": [MAMBA_STATE_DTYPE_RULE]}
+        payload = {"megatron_core_version": version, "known_tree": list(tree),
+                   "patches": [r.as_dict() for r in results], "rules": [MAMBA_STATE_DTYPE_RULE]}
         print(json.dumps(payload, indent=2))
     else:
         console = report_console(args.width)
-        console.print(_status_table(version, results))
+        console.print(_status_table(version, tree, results))
         console.print(f"rule: {MAMBA_STATE_DTYPE_RULE}", markup=False, highlight=False, soft_wrap=True)
     return 1 if any(r.state.value == "refused" for r in results) else 0
+
+
+def _print_trees(args: argparse.Namespace, version: str, tree: tuple[str, ...]) -> int:
+    """``status --trees``: every known tree (fingerprints recorded), the installed one marked."""
+    from dataclasses import asdict
+
+    from .fingerprints import known_trees
+
+    trees = known_trees()
+    if args.json:
+        print(json.dumps({"megatron_core_version": version, "known_tree": list(tree),
+                          "known_trees": [asdict(t) for t in trees.values()]}, indent=2))
+        return 0
+    table = Table(title=f"known trees; installed: {_tree_words(version, tree)}")
+    for column in ("tree", "version", "date", "commit", "source", "installed"):
+        table.add_column(column, overflow="fold")
+    for name, known in trees.items():
+        table.add_row(known.label, known.version, known.date, known.commit, known.source, "yes" if name in tree else "")
+    report_console(args.width).print(table)
+    return 0
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
@@ -417,6 +448,9 @@ def _add_status(sub: Any) -> None:
     p_status = sub.add_parser("status", help="show what each runtime patch would do here")
     p_status.add_argument("--json", action="store_true", help="machine-readable output")
     p_status.add_argument("--force", action="store_true", help="as MEGATRON_EXT_FORCE=1")
+    p_status.add_argument("--trees", action="store_true",
+                          help="list the known trees (releases and Megatron-LM commits with recorded fingerprints) "
+                               "and which one the installed code is")
     _add_output_arguments(p_status, "--width")
     p_status.set_defaults(func=cmd_status)
 

@@ -479,7 +479,7 @@ class Patch(ABC):
             return installed
         match = self.match()
         if match.faulty and not match.fixed:
-            return self.result(PatchState.APPLICABLE, f"the installed code has the fault: megatron-core {version}'s "
+            return self.result(PatchState.APPLICABLE, f"the installed code has this fault: megatron-core {version}'s "
                                f"targets match {tree_labels(match.faulty)}", self._evidence(match))
         if match.fixed and not match.faulty:
             return self.result(PatchState.NOT_NEEDED, f"the installed code does not have this fault: megatron-core "

@@ -111,24 +111,48 @@ def by_name(results, name: str):
     return next(r for r in results if r.patch == name)
 
 
-def test_status_per_release(mcore_series):
+def test_status_per_release(mcore_series, mcore_version):
     results = megatron_ext.status()
     assert states(results) == EXPECTED_STATUS[mcore_series]
-    refcount = by_name(results, "release-refcount")
-    eviction = by_name(results, "lru-leaf-first-eviction").evidence
-    register = by_name(results, "lru-register-once").evidence
-    pin_first = by_name(results, "lru-pin-before-allocate").evidence
-    offsets = by_name(results, "mamba-snapshot-offsets").evidence
-    assert "took the free slot: free count 0 of 1" in by_name(results, "mamba-slot-exhaustion").evidence
-    if mcore_series == "0.19":
-        assert "ref count 0" in refcount.evidence
+    installed = f"megatron-core {mcore_version}" if mcore_version in mcore.SUPPORTED_RELEASES else "Megatron-LM "
+    for result in results:  # decided by the known tree the installed code is, not by a probe
+        verdict = "has" if result.state is PatchState.APPLICABLE else "does not have"
+        assert result.reason.startswith(f"the installed code {verdict} this fault: megatron-core {mcore_version}'s "
+                                        "targets match "), result
+        assert installed in result.reason, result
+        assert result.evidence.startswith("fingerprints "), result
+
+
+def test_probes_never_clear_faulty_code_and_see_each_release_as_it_is(mcore_series):
+    """The probes decide code no known tree has (Patch.needed): on the installed code, a probe that
+    runs never calls a fault absent where the installed tree is recorded faulty; on a release,
+    each probe sees the fault where the release has it and the fix where it has that."""
+    probes = {}
+    for patch in ALL_PATCHES:
+        try:
+            probes[patch.name] = patch.needed()
+        except Exception as exc:  # a probe main's code breaks: such code is refused, never cleared
+            probes[patch.name] = (None, f"{type(exc).__name__}: {exc}")
+    for name, state in EXPECTED_STATUS[mcore_series].items():
+        assert probes[name][0] is not False or state != "applicable", (name, probes[name])
+    if mcore_series not in ("0.17", "0.18", "0.19"):
+        return  # a Megatron-LM main tree: recorded, so its probes' evidence is not asserted here
+    assert {name: needed for name, (needed, _) in probes.items()} == {
+        name: state == "applicable" for name, state in EXPECTED_STATUS[mcore_series].items()}
+    series = mcore_series
+    refcount, eviction, register, pin_first, offsets = (probes[name][1] for name in (
+        "release-refcount", "lru-leaf-first-eviction", "lru-register-once", "lru-pin-before-allocate",
+        "mamba-snapshot-offsets"))
+    assert "took the free slot: free count 0 of 1" in probes["mamba-slot-exhaustion"][1]
+    if series == "0.19":
+        assert "ref count 0" in refcount
         assert "evicted [[1]] (leaf first, as Megatron-LM #5822)" in eviction
         assert "block 0 child count 2" in register  # the probe saw the double count
         assert "takes potential_matched_count" in pin_first
-        assert "store_routing_per_block exists" in by_name(results, "routing-per-block").evidence
+        assert "store_routing_per_block exists" in probes["routing-per-block"][1]
         assert "keeps the snapshot at token 32" in offsets
     else:
-        assert "ref count 1" in refcount.evidence  # the probe saw the leak
+        assert "ref count 1" in refcount  # the probe saw the leak
         assert "evicted [[0]] (parent first)" in eviction
         assert "takes no parent_hashes" in register
         assert "has no potential_matched_count" in pin_first
@@ -250,10 +274,11 @@ def test_changed_target_is_refused_naming_function_and_versions(changed_prefix_m
     results = megatron_ext.apply()
     refused = by_name(results, "matched-block-writes")
     assert refused.state is PatchState.REFUSED
-    assert "DynamicInferenceContext._compute_prefix_match" in refused.reason
-    assert f"megatron-core {mcore_version}" in refused.reason
-    assert "supported: 0.17.0, 0.17.1, 0.18.0, 0.18.2, 0.19.0, 0.19.2" in refused.reason
-    assert refused.evidence.startswith("fingerprint ")
+    assert refused.reason.startswith(
+        "megatron.core.inference.contexts.dynamic_context.DynamicInferenceContext._compute_prefix_match in "
+        f"megatron-core {mcore_version}: this code is not one megatron-ext has checked (nearest known tree: ")
+    assert ", where the others match); it was changed locally, by another patch or upstream." in refused.reason
+    assert re.fullmatch(r"fingerprints DynamicInferenceContext._compute_prefix_match [0-9a-f]{16}", refused.evidence)
     assert "matched-block-writes" not in installed_patches(ADD_REQUEST)  # nothing installed
     assert by_name(results, "release-refcount").state is not PatchState.REFUSED  # independent
     with pytest.raises(PatchRefusedError, match="_compute_prefix_match"):
@@ -331,9 +356,9 @@ print(json.dumps(out))
 @pytest.mark.release_independent  # a 0.16.1 tree of its own, whatever is installed
 def test_an_unsupported_release_is_refused_by_name_everywhere(tmp_path):
     """A megatron-core whose package_info says 0.16.1 (a tree with nothing else: 0.16.1 lacks the
-    modules the patches import, and so does this one): each command that runs megatron-core, and
-    apply() / status(), name it and the supported releases; the automatic entry point says so in
-    one line and applies nothing."""
+    modules the patches import, and so does this one), older than the first release with prefix
+    caching: each command that runs megatron-core, and apply() / status(), name it and the
+    supported releases; the automatic entry point says so in one line and applies nothing."""
     core = tmp_path / "megatron" / "core"
     core.mkdir(parents=True)
     (tmp_path / "megatron" / "__init__.py").write_text("")
@@ -349,9 +374,11 @@ def test_an_unsupported_release_is_refused_by_name_everywhere(tmp_path):
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out.pop("commands") == sorted(argv[0] for argv in argvs)  # a new command needs a line here
+
     supported = ", ".join(mcore.SUPPORTED_RELEASES)
-    refusal = (f"megatron-core 0.16.1 is not a supported release (supported: {supported}); install one of "
-               "those, e.g. `pip install --no-deps megatron-core==0.19.2`")
+    refusal = (f"megatron-core 0.16.1 is older than 0.17.0, the first release with prefix caching: megatron-ext has "
+               f"nothing to patch there (supported: {supported}, and Megatron-LM checkouts judged by their code); "
+               "install one of those, e.g. `pip install --no-deps megatron-core==0.19.2`")
     forcing = ", or force with MEGATRON_EXT_FORCE=1 / apply(force=True) after checking the target code yourself"
     assert out == {
         "status": [2, f"megatron-ext: error: {refusal}, or force with --force after checking the target code "
@@ -408,6 +435,26 @@ def test_cli_status_json(capsys, mcore_series, mcore_version):
     assert payload["megatron_core_version"] == mcore_version
     assert {p["patch"]: p["state"] for p in payload["patches"]} == EXPECTED_STATUS[mcore_series]
     assert {p["patch"]: p["fault"] for p in payload["patches"]} == FAULT_IDS
+    installed = [mcore_version] if mcore_version in mcore.SUPPORTED_RELEASES else ["2a75ac12c5", "d98e8a64"]
+    assert set(installed) & set(payload["known_tree"])  # the release itself, or a main commit CI installs
+    assert payload["known_tree"] == list(megatron_ext.api.installed_tree())
+
+
+def test_cli_status_trees_lists_every_known_tree_and_marks_the_installed_one(capsys, mcore_version):
+    assert cli.main(["status", "--trees", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    trees = {tree["name"]: tree for tree in payload["known_trees"]}
+    assert list(trees) == ["0.17.0", "0.17.1", "0.18.0", "0.18.2", "2a75ac12c5", "0.19.0", "d98e8a64", "0.19.2"]
+    assert trees["2a75ac12c5"] == {"name": "2a75ac12c5", "version": "0.20.0", "date": "2026-08-13",
+                                   "commit": "2a75ac12c54ba6a42b34024756820bf819a2e25f",
+                                   "source": "megatron-lm-2a75ac12c5.tar.gz"}
+    # 0.19.2's inference code is 0.19.0's: both are named; never a tree of another series
+    assert payload["known_tree"] and all(mcore.release_series(trees[name]["version"]) == mcore.release_series(
+        mcore_version) for name in payload["known_tree"])
+    assert cli.main(["status", "--trees", "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    assert f"known trees; installed: megatron-core {mcore_version} (code of " in out
+    assert re.search(r"^│ Megatron-LM 2a75ac12c5 │ 0\.20\.0 +│ 2026-08-13 │", out, re.MULTILINE)
 
 
 def test_cli_status_table_names_each_patch_with_its_fault_id(capsys):
@@ -574,8 +621,9 @@ def test_a_patch_whose_requirement_is_skipped_is_not_applied(order, monkeypatch,
     assert {p.name: p.requires for p in ALL_PATCHES if p.requires} == REQUIRES
     if order == "reversed":
         monkeypatch.setattr(api, "ALL_PATCHES", tuple(reversed(ALL_PATCHES)))
+    without_skip = {r.patch: r.reason for r in megatron_ext.status()}
     monkeypatch.setenv("MEGATRON_EXT_SKIP", "matched-block-writes")
-    expected = {name: (state, "the installed code has the fault and matches the recorded fingerprints")
+    expected = {name: (state, without_skip[name])
                 for name, state in EXPECTED_STATUS[mcore_series].items() if state == "applicable"}
     expected.update({"matched-block-writes": ("not applied", "skipped by MEGATRON_EXT_SKIP"),
                      "mamba-continuation-skip": ("not applied", WITHOUT_FIX2)})
@@ -604,10 +652,12 @@ def test_a_patch_whose_requirement_is_skipped_is_not_applied(order, monkeypatch,
 def test_a_patch_whose_requirement_is_refused_is_not_applied(monkeypatch, mcore_series, mcore_version):
     """matched-block-writes refused (its entry taken out of fingerprints.json): the patches
     requiring it are not applied; under strict=True they are refused with it."""
-    monkeypatch.delitem(recorded_fingerprints()["released"], "matched-block-writes")
+    monkeypatch.delitem(recorded_fingerprints()["faulty"], "matched-block-writes")
     dependents = [name for name in REQUIRES if EXPECTED_STATUS[mcore_series][name] == "applicable"]
-    fix2_refusal = ("no fingerprints of matched-block-writes are recorded in megatron_ext/fingerprints.json; "
-                    "record them with scripts/record_fingerprints.py, or force with MEGATRON_EXT_FORCE=1 / "
+    context = "megatron.core.inference.contexts.dynamic_context.DynamicInferenceContext"
+    fix2_refusal = (f"{context}.add_request, {context}._compute_prefix_match in megatron-core {mcore_version}: this "
+                    "code is not one megatron-ext has checked; it was changed locally, by another patch or upstream. "
+                    "Use a known tree (`megatron-ext status --trees`), or force with MEGATRON_EXT_FORCE=1 / "
                     "apply(force=True) after checking the code yourself")
     results = {r.patch: (r.state.value, r.reason) for r in megatron_ext.apply()}
     assert {name: results[name] for name in ["matched-block-writes", *dependents]} == {
@@ -619,3 +669,4 @@ def test_a_patch_whose_requirement_is_refused_is_not_applied(monkeypatch, mcore_
         megatron_ext.apply(strict=True)
     assert str(refused.value) == "; ".join([f"matched-block-writes: {fix2_refusal}", *(
         f"{name}: needs matched-block-writes, which is refused" for name in dependents)])
+
