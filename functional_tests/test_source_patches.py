@@ -13,6 +13,12 @@ subprocess importing that copy:
   release's patched files are byte-identical to the newest's after patching, or their own fix tests
   run there too (``OLDER_RELEASE_DIFFERENCES``);
 - the default ``ab`` case is bit-identical and audit-clean.
+
+When the installed megatron-core is a known Megatron-LM commit with a series of its own
+(``commits:`` in ``patches/index.yaml``; decided by :func:`megatron_ext.api.installed_tree`, not by
+the version string, which is "0.20.0" on every main commit), that commit's tree is unpacked from its
+archive (:func:`~megatron_ext.source_patches.unpack_tree`), gets its series, and is checked the same
+way: ``status`` "not needed" for every patch, the fix tests, the default ``ab`` case.
 """
 
 from __future__ import annotations
@@ -26,12 +32,33 @@ from pathlib import Path
 
 import pytest
 
+import yaml
+
 from functional_tests.conftest import REPO, SERIES
 from megatron_ext import mcore
-from megatron_ext.source_patches import SourcePatchError, patch_source, patches_for, tree_version, unpack_release
+from megatron_ext.fingerprints import known_trees
+from megatron_ext.patches import ALL_PATCHES
+from megatron_ext.source_patches import (SourcePatchError, commit_patches, patch_source, patches_dir, patches_for,
+                                         series_for, tree_version, unpack_release, unpack_tree)
 
 WHEELS = REPO / ".venv" / "mcore-wheels"  # pip download cache, outside git
 RELEASES = [r for r in mcore.SUPPORTED_RELEASES if mcore.release_series(r) == SERIES]
+#: the release tests need a supported release installed (a Megatron-LM commit has the commit tests)
+needs_release = pytest.mark.skipif(not RELEASES, reason=f"the installed megatron-core ({SERIES}) is no supported "
+                                   "release: a Megatron-LM commit's series is checked by the *_commit_tree tests")
+
+
+@pytest.fixture(scope="session")
+def installed_commit() -> str:
+    """The known Megatron-LM commit with a source patch series that the installed megatron-core is
+    (:func:`megatron_ext.api.installed_tree`); the test is skipped on any other tree."""
+    from megatron_ext.api import installed_tree
+
+    series = yaml.safe_load((patches_dir() / "index.yaml").read_text()).get("commits") or {}
+    commits = [name for name in installed_tree() if known_trees()[name].commit and name in series]
+    if not commits:
+        pytest.skip("the installed megatron-core is no known Megatron-LM commit with a source patch series")
+    return commits[-1]
 
 
 def pristine_tree(version: str, tmp_path: Path) -> Path:
@@ -108,6 +135,7 @@ def test_source_patched_tree_needs_no_runtime_patch(version, tmp_path):
 
 
 @pytest.mark.slow
+@needs_release
 def test_source_patched_newest_release_passes_the_fix_tests(tmp_path):
     run_fix_tests(patched_tree(RELEASES[-1], tmp_path), *FIX_TESTS)
 
@@ -128,6 +156,7 @@ def test_older_release_is_patched_to_the_newest_releases_code(version, tmp_path)
 
 
 @pytest.mark.slow
+@needs_release
 def test_default_ab_case_passes_on_source_patched_tree(tmp_path):
     # The newest release of the series: its target files are identical to the older one's.
     tree = patched_tree(RELEASES[-1], tmp_path)
@@ -141,6 +170,7 @@ def test_default_ab_case_passes_on_source_patched_tree(tmp_path):
 
 
 @pytest.mark.slow
+@needs_release
 def test_resume_after_suspend_serves_no_cached_block_source_patched_as_runtime_patched(tmp_path):
     """Engine level, on the newest release of the series: ``engine.resume()`` after ``suspend()``
     flushes the prefix cache in the source-patched code exactly as the runtime patch does."""
@@ -162,6 +192,7 @@ def test_resume_after_suspend_serves_no_cached_block_source_patched_as_runtime_p
     assert lru[0] == lru[1] < lru[2] and ref_zero[0] == ref_zero[1] == ref_zero[2] > 0
 
 
+@needs_release
 def test_already_patched_and_foreign_trees_are_refused(tmp_path):
     tree = pristine_tree(RELEASES[-1], tmp_path)
     patch_source(tree)
@@ -180,6 +211,7 @@ def test_already_patched_and_foreign_trees_are_refused(tmp_path):
         patch_source(tree)
 
 
+@needs_release
 def test_tree_inside_a_git_checkout_is_really_patched(tmp_path):
     # the README's default: .venv inside the repository's work tree. git apply run there once
     # skipped every path silently and reported success with nothing changed.
@@ -206,3 +238,49 @@ def test_tree_inside_a_git_checkout_is_really_patched(tmp_path):
     patch_source(tree, revert=True)  # byte for byte the release again, no file added
     assert sorted((tree / "megatron/core").rglob("*.py")) == targets
     assert all(p.read_bytes() == before[p] for p in targets)
+
+
+# -- a known Megatron-LM commit (NeMo-RL's 2a75ac12c5): its own series, checked like a release's ----
+
+
+def patched_commit_tree(commit: str, tmp_path: Path) -> Path:
+    """The commit's tree unpacked from its archive (``../shared/upstream``), with its series applied."""
+    tree = unpack_tree(commit, tmp_path / commit, WHEELS)
+    assert series_for(tree) == (commit, commit_patches(commit))
+    results = patch_source(tree)
+    assert [r.state.value for r in results] == ["applied"] * len(results)
+    assert [r.patch.split("/")[0] for r in results] == [commit] * len(results)
+    return tree
+
+
+#: The fix tests run on a source-patched commit tree: those of the faults its series fixes and of
+#: the faults fixed there upstream.
+COMMIT_FIX_TESTS = FIX_TESTS
+
+
+@pytest.mark.slow
+def test_source_patched_commit_tree_needs_no_runtime_patch(installed_commit, tmp_path):
+    tree = patched_commit_tree(installed_commit, tmp_path)
+    status = run_with(tree, "-m", "megatron_ext", "status", "--json")
+    assert status.returncode == 0, status.stderr
+    payload = json.loads(status.stdout)
+    assert payload["megatron_core_version"] == known_trees()[installed_commit].version
+    states = {p["patch"]: p["state"] for p in payload["patches"]}
+    assert states == {p.name: "not needed" for p in ALL_PATCHES}, {p: s for p, s in states.items() if s != "not needed"}
+
+
+@pytest.mark.slow
+def test_source_patched_commit_tree_passes_the_fix_tests(installed_commit, tmp_path):
+    run_fix_tests(patched_commit_tree(installed_commit, tmp_path), *COMMIT_FIX_TESTS)
+
+
+@pytest.mark.slow
+def test_default_ab_case_passes_on_source_patched_commit_tree(installed_commit, tmp_path):
+    tree = patched_commit_tree(installed_commit, tmp_path)
+    report = tmp_path / "ab.json"
+    done = run_with(tree, "-m", "megatron_ext", "ab", "--no-progress", "--json", str(report))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    payload = json.loads(report.read_text())
+    assert payload["bit_identical"] and payload["kv_write_violations"] == 0
+    assert payload["refcount_violations"] == 0
+    assert {p["state"] for p in payload["patches"]} == {"not needed"}

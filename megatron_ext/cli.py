@@ -347,11 +347,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_patch_source(args: argparse.Namespace) -> int:
     """Apply / check / revert the source patches on a megatron-core tree."""
-    from .source_patches import default_tree, patch_source, tree_version
+    from .source_patches import default_tree, patch_source, series_for, tree_version
 
     tree = Path(args.path) if args.path else default_tree()
+    version = tree_version(tree)
+    series = series_for(tree)[0]  # the release, or the known Megatron-LM commit whose series applies
     results = patch_source(tree, check=args.check, revert=args.revert)
-    print(f"megatron-core {tree_version(tree)} at {tree}:")
+    print(f"megatron-core {version}{'' if series == version else f' (series of Megatron-LM {series})'} at {tree}:")
     for result in results:
         print(f"  {result.state.value:>15}  {result.patch}")
     return 0

@@ -4,7 +4,10 @@ The tree is either an installed package (the directory holding ``megatron/core``
 ``site-packages``) or a Megatron-LM checkout. Patches are applied with ``git apply`` (works
 outside a git repository too), which checks every hunk before changing anything: a patch that
 does not apply cleanly changes nothing. The release is read from the tree's own
-``megatron/core/package_info.py``, and ``patches/index.yaml`` says which patches it takes.
+``megatron/core/package_info.py``, and ``patches/index.yaml`` says which patches it takes: a
+release's series (``releases:``), or for a Megatron-LM checkout, whose version names no release
+("0.20.0" for every main commit since 0.19), the series of the known commit of that version
+(``commits:``) whose first patch applies (:func:`series_for`).
 """
 
 from __future__ import annotations
@@ -159,18 +162,72 @@ def unpack_tree(name: str, target: Path, cache: Path) -> Path:
     return info.parents[2]
 
 
+def _index() -> dict:
+    return yaml.safe_load((patches_dir() / "index.yaml").read_text())
+
+
 def patches_for(version: str) -> list[Path]:
     """Patch files for a release, in order.
 
     Raises:
         SourcePatchError: the release has no entry in ``index.yaml``.
     """
-    directory = patches_dir()
-    index = yaml.safe_load((directory / "index.yaml").read_text())["releases"]
+    index = _index()["releases"]
     if version not in index:
         raise SourcePatchError(
             f"no source patches for megatron-core {version}; supported: {', '.join(index)}")
-    return [directory / name for name in index[version]]
+    return [patches_dir() / name for name in index[version]]
+
+
+def commit_patches(name: str) -> list[Path]:
+    """Patch files for a known Megatron-LM commit (its short name in ``index.yaml``'s ``commits:``,
+    e.g. ``"2a75ac12c5"``), in order.
+
+    Raises:
+        SourcePatchError: the commit has no entry in ``index.yaml``.
+    """
+    index = _index().get("commits") or {}
+    if name not in index:
+        raise SourcePatchError(f"no source patches for Megatron-LM {name}; commits with a series: "
+                               f"{', '.join(index) or 'none'}")
+    return [patches_dir() / patch for patch in index[name]]
+
+
+def series_for(tree: Path) -> tuple[str, list[Path]]:
+    """The series for a megatron-core tree: ``(name, patches)``, ``name`` the release or the commit.
+
+    A release of ``index.yaml``'s ``releases:`` gets its series. Any other version (a Megatron-LM
+    checkout: main says "0.20.0" at every commit since 0.19) gets the series of the known commit
+    tree of that version (:func:`megatron_ext.fingerprints.known_trees`, oldest first) whose first
+    patch applies to ``tree`` (``git apply --check``); failing that, the one whose last patch is
+    already applied (so that an already patched tree is refused by name, and ``--revert`` works).
+
+    Raises:
+        SourcePatchError: no series for the version, or none of its commits' series applies.
+    """
+    from .fingerprints import known_trees
+
+    version = tree_version(tree)
+    index = _index()
+    if version in index["releases"]:
+        return version, patches_for(version)
+    commits = index.get("commits") or {}
+    candidates = [name for name, known in known_trees().items()
+                  if known.commit and known.version == version and name in commits]
+    if not candidates:
+        patches_for(version)  # raises: no source patches for that version
+    for name in candidates:
+        if _applies(tree, commit_patches(name)[0]):
+            return name, commit_patches(name)
+    for name in candidates:
+        if _applies(tree, commit_patches(name)[-1], reverse=True):
+            return name, commit_patches(name)
+    tried = ", ".join(f"Megatron-LM {name}" for name in candidates)
+    raise SourcePatchError(
+        f"megatron-core {version} at {tree} is no release with source patches, and the series of no known "
+        f"Megatron-LM commit of {version} applies to it (tried {tried}: its first patch does not apply): it is "
+        f"not a tree megatron-ext has a source patch series for; nothing was changed. Series exist for the "
+        f"releases {', '.join(index['releases'])} and the commits {', '.join(commits)}")
 
 
 def _git_apply(tree: Path, patch: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -192,7 +249,7 @@ def _applies(tree: Path, patch: Path, reverse: bool = False) -> bool:
 
 
 def patch_source(tree: Path | None = None, check: bool = False, revert: bool = False) -> list[SourcePatchResult]:
-    """Apply (or with ``revert`` remove) the release's source patches to ``tree``.
+    """Apply (or with ``revert`` remove) the tree's source patches (:func:`series_for`) to ``tree``.
 
     All patches are checked before any is applied, so a refusal changes nothing.
 
@@ -202,12 +259,12 @@ def patch_source(tree: Path | None = None, check: bool = False, revert: bool = F
         revert: remove the patches instead of applying them.
 
     Raises:
-        SourcePatchError: unknown release, a patch already applied (apply) or not applied
+        SourcePatchError: no series for the tree (:func:`series_for`), a patch already applied (apply) or not applied
             (revert), or a hunk that does not apply; the message names the patch file.
         MegatronCoreNotFoundError: no tree given and megatron-core is not importable.
     """
     tree = Path(tree) if tree is not None else default_tree()
-    patches = patches_for(tree_version(tree))
+    _, patches = series_for(tree)
     if revert:
         patches = list(reversed(patches))
     for patch in patches:
@@ -236,4 +293,4 @@ def _refuse_if_not_applicable(tree: Path, patch: Path, revert: bool) -> None:
         raise SourcePatchError(f"{name} is not applied to {tree}; nothing to revert")
     detail = _git_apply(tree, patch, "--check", *(["-R"] if revert else [])).stderr.strip()
     raise SourcePatchError(f"{name} does not apply to {tree} (the target code differs from the "
-                           f"release it was made for); nothing was changed. git apply: {detail}")
+                           f"tree it was made for); nothing was changed. git apply: {detail}")

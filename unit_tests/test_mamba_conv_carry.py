@@ -58,6 +58,7 @@ def test_two_token_last_prefill_chunk_gives_the_reference_states(probe):
 EOS = {"0.17": {"slices": [15, 15, 2], "committed": False},
        "0.18": {"slices": [15, 15, 2], "committed": False},
        "0.19": {"slices": [15, 1, 14, 2], "committed": True, "conv_equal": True, "conv_columns_differing": [[]]},
+       # Megatron-LM main ("0.20.0"): 2a75ac12c5 schedules and commits as 0.19 does
        "0.20": {"slices": [15, 1, 14, 2], "committed": True, "conv_equal": True, "conv_columns_differing": [[]]}}
 
 

@@ -1,7 +1,8 @@
 """One list of supported megatron-core releases: ``megatron_ext.mcore.SUPPORTED_RELEASES``.
 
 Every other place that names the releases must agree with it: the known trees of the runtime
-patches' recorded fingerprints (with the Megatron-LM commits), the source patches' ``patches/index.yaml``, ``scripts/bootstrap.sh``
+patches' recorded fingerprints (with the Megatron-LM commits), the source patches' ``patches/index.yaml`` (``releases:``; its
+``commits:`` are the Megatron-LM commits with a series of their own), ``scripts/bootstrap.sh``
 (``SUPPORTED=``), the optional dependency in ``pyproject.toml``, the releases ``.ci/run`` tests
 (the newest of each series) and the README's list.
 """
@@ -54,9 +55,24 @@ def test_every_patch_is_decided_on_every_known_tree_one_way():
             assert set(prints) == {t.qualname for t in patch.checked_functions()}, patch.name
 
 
-def test_source_patch_index_lists_the_supported_releases():
-    index = yaml.safe_load((REPO / "patches" / "index.yaml").read_text())["releases"]
-    assert tuple(index) == SUPPORTED
+#: Megatron-LM commits with a source patch series of their own (``commits:`` in patches/index.yaml)
+COMMIT_SERIES = ("2a75ac12c5",)
+
+
+def test_source_patch_index_lists_the_supported_releases_and_the_commit_series():
+    index = yaml.safe_load((REPO / "patches" / "index.yaml").read_text())
+    assert tuple(index["releases"]) == SUPPORTED
+    assert tuple(index["commits"]) == COMMIT_SERIES
+    trees = known_trees()
+    for commit, patches in index["commits"].items():
+        assert trees[commit].commit, commit  # a known Megatron-LM commit
+        assert [p.split("/")[0] for p in patches] == [commit] * len(patches)
+        # one patch per fault the commit has, each named after its runtime patch, in numbered order
+        names = [re.fullmatch(rf"{commit}/(\d{{4}})-([a-z0-9-]+)\.patch", p).groups() for p in patches]
+        assert [int(n) for n, _ in names] == list(range(1, len(patches) + 1))
+        assert {name for _, name in names} == {p.name for p in ALL_PATCHES if commit in p.faulty_fingerprints}
+    listed = {p for series in (*index["releases"].values(), *index["commits"].values()) for p in series}
+    assert listed == {str(p.relative_to(REPO / "patches")) for p in (REPO / "patches").glob("*/*.patch")}
 
 
 def test_bootstrap_accepts_the_supported_releases():
@@ -97,7 +113,10 @@ def test_source_patched_fingerprints_cover_exactly_the_releases_each_patch_is_wr
     patches = {patch.name: patch for patch in ALL_PATCHES if patch.source_patched_fingerprints}
     assert {"matched-block-writes", "lru-resume-evictable", "weight-update-invalidation"} <= set(patches)
     assert set(patches["routing-per-block"].source_patched_fingerprints) == {"0.17.0", "0.17.1"}
-    assert set(patches["routing-evicted-requests"].source_patched_fingerprints) == set(SUPPORTED)
+    assert set(patches["routing-evicted-requests"].source_patched_fingerprints) == {*SUPPORTED, *COMMIT_SERIES}
+    for commit in COMMIT_SERIES:  # each fault of a commit with a series is recorded source-patched there
+        assert {name for name, patch in patches.items() if commit in patch.source_patched_fingerprints} == {
+            patch.name for patch in ALL_PATCHES if commit in patch.faulty_fingerprints}, commit
     for name, patch in patches.items():
         assert set(patch.faulty_fingerprints) <= set(patch.source_patched_fingerprints) <= set(known_trees()), name
 

@@ -25,6 +25,7 @@ goes through the mixer module's own ``tensor_masked_update``, which skips paddin
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from .. import mcore
+from ..fingerprints import TreeMatch
 from ..patching import Patch, Target
 
 MAMBA_MIXER_MODULE = "megatron.core.ssm.mamba_mixer"
@@ -159,6 +161,17 @@ class MambaConvCarryPatch(Patch):
     def checked_functions(self) -> tuple[Target, ...]:
         """Both names: each tree has one of them (the other is recorded absent)."""
         return (SSM_PREFILL, SSM_PREFILL_CONTEXT)
+
+    def match(self) -> TreeMatch:
+        """As recorded; for code that is no known tree's (source-patched code, an edited tree) the
+        name the installed mixer lacks by design is left out, so that it is not taken for a missing
+        target: the probe (:meth:`needed`) then decides on the prefill method the mixer has."""
+        match = super().match()
+        if match.faulty or match.fixed:
+            return match
+        other = (SSM_PREFILL if prefill_target() is SSM_PREFILL_CONTEXT else SSM_PREFILL_CONTEXT).qualname
+        return dataclasses.replace(match, found={k: v for k, v in match.found.items() if k != other},
+                                   differing=tuple(name for name in match.differing if name != other))
 
     def needed(self) -> tuple[bool, str]:
         """Not needed on source-patched code (fingerprint) nor on code that carries the state
