@@ -259,6 +259,7 @@ COMMIT_FIX_TESTS = FIX_TESTS
 
 
 @pytest.mark.slow
+@pytest.mark.main_tree
 def test_source_patched_commit_tree_needs_no_runtime_patch(installed_commit, tmp_path):
     tree = patched_commit_tree(installed_commit, tmp_path)
     status = run_with(tree, "-m", "megatron_ext", "status", "--json")
@@ -270,11 +271,13 @@ def test_source_patched_commit_tree_needs_no_runtime_patch(installed_commit, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.main_tree
 def test_source_patched_commit_tree_passes_the_fix_tests(installed_commit, tmp_path):
     run_fix_tests(patched_commit_tree(installed_commit, tmp_path), *COMMIT_FIX_TESTS)
 
 
 @pytest.mark.slow
+@pytest.mark.main_tree
 def test_default_ab_case_passes_on_source_patched_commit_tree(installed_commit, tmp_path):
     tree = patched_commit_tree(installed_commit, tmp_path)
     report = tmp_path / "ab.json"
