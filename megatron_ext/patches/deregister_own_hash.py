@@ -91,8 +91,8 @@ class DeregisterOwnHashPatch(Patch):
     name = "deregister-own-hash"
     fault = "9"
     source_patched_targets = (DEREGISTER,)
-    fault_evidence = ("no megatron-core release up to 0.19.2 (nor upstream main) checks whom a "
-                      "hash-map entry points at before popping it")
+    fault_evidence = ("no megatron-core release up to 0.19.2, nor Megatron-LM main up to d98e8a64 "
+                      "(2026-08-22), checks whom a hash-map entry points at before popping it")
 
     def wrappers(self) -> dict[Target, Callable]:
         return {DEREGISTER: _deregister_wrapper}

@@ -109,7 +109,8 @@ class MatchedBlockWritesPatch(Patch):
     name = "matched-block-writes"
     fault = "2"
     source_patched_targets = (ADD_REQUEST,)
-    fault_evidence = "no megatron-core release up to 0.19.2 carries the upstream fix"
+    fault_evidence = ("no megatron-core release up to 0.19.2 carries the upstream fix (#6895, on "
+                      "Megatron-LM main since 2026-08-26, after d98e8a64)")
 
     def wrappers(self) -> dict[Target, Guarded]:
         return {ADD_REQUEST: Guarded(_add_request_wrapper, "enable_prefix_caching")}

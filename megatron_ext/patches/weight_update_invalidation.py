@@ -1,7 +1,8 @@
 """Fault 8: after a weight update, prefix caching serves KV that the old weights computed.
 
 megatron-core keys its prefix cache by prompt tokens only (``compute_block_hashes_batched``: a
-SHA-256 chain seeded with zeros, no salt, in every release 0.17 to 0.19 and on upstream main),
+SHA-256 chain seeded with zeros, no salt, in every release 0.17 to 0.19 and on Megatron-LM main
+up to d98e8a64),
 and nothing drops it when the model's weights change: ``engine.suspend()`` / ``resume()`` keep
 the hash map, ref counts and LRU timestamps under PERSIST (Megatron-LM RL's default) and OFFLOAD,
 and ``megatron.core.resharding.refit.swap_model_weights`` writes the new weights through
@@ -42,8 +43,9 @@ that holds it under that name; a reference kept under another name or in a conta
 ``apply()`` calls the released function, which no context sees: call ``invalidate_prefix_cache``
 after it. ``apply()`` after a ``revert()`` counts as an update (swaps made while reverted went
 unseen). ``MEGATRON_EXT_ON_WEIGHT_UPDATE=keep``, read by ``apply()``, leaves the patch out
-(upstream behaviour). No upstream change to mirror: no release and not upstream main
-(2026-08-22) invalidates or salts the prefix cache on a weight update.
+(upstream behaviour). No upstream change to mirror: no release and not Megatron-LM main up to
+d98e8a64 (2026-08-22) invalidates or salts the prefix cache on a weight update (main's later #6497
+salts the hashes of image requests only; text prompts stay unsalted).
 
 The source patches of ``patches/`` (``0006-weight-update-invalidation`` on 0.17/0.18,
 ``0004-`` on 0.19) put the same fix into the code: ``DynamicInferenceContext.invalidate_prefix_cache()``,
@@ -319,8 +321,9 @@ class WeightUpdateInvalidationPatch(Patch):
     name = "weight-update-invalidation"
     fault = "8"
     source_patched_targets = (FIND_MATCH, REINITIALIZE, ADD_REQUEST)
-    fault_evidence = ("no megatron-core release up to 0.19.2 (nor upstream main) drops or salts the "
-                      "prefix cache when weights change")
+    fault_evidence = ("no megatron-core release up to 0.19.2, nor Megatron-LM main up to d98e8a64 "
+                      "(2026-08-22), drops or salts the prefix cache of text prompts when weights change "
+                      "(main's later #6497 salts image requests only)")
 
     def __init__(self) -> None:
         super().__init__()
