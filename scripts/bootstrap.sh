@@ -95,7 +95,13 @@ else
     digest="$(sha256sum "$SOURCE" | cut -c1-16)"
     tree_root="$VENV/megatron-core-src/$digest"
     if [ ! -d "$tree_root" ]; then
-      mkdir -p "$tree_root.tmp" && tar xzf "$SOURCE" -C "$tree_root.tmp" && mv "$tree_root.tmp" "$tree_root"
+      rm -rf "$tree_root.tmp"; mkdir -p "$tree_root.tmp"
+      if ! tar xzf "$SOURCE" -C "$tree_root.tmp" 2>/dev/null; then
+        rm -rf "$tree_root.tmp"
+        echo "bootstrap: MEGATRON_CORE_SOURCE=$SOURCE is not a readable .tar.gz archive (tar failed); give a Megatron-LM folder or an archive such as ../shared/upstream/megatron-lm-2a75ac12c5.tar.gz" >&2
+        exit 2
+      fi
+      mv "$tree_root.tmp" "$tree_root"
     fi
     tree="$(dirname "$(find "$tree_root" -path '*/megatron/core/package_info.py' | head -n 1)")"
     tree="${tree%/megatron/core}"

@@ -10,7 +10,9 @@ patches' recorded fingerprints (with the Megatron-LM commits), the source patche
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -131,3 +133,32 @@ def test_fingerprints_file_records_the_shipped_patches_only():
     assert set(recorded["faulty"]) | set(recorded["fixed"]) == names
     assert set(recorded["source_patched"]) == {p.name for p in ALL_PATCHES if p.source_patched_targets}
     assert FINGERPRINTS_FILE.read_text() == json.dumps(recorded, indent=2, sort_keys=True) + "\n"
+
+
+@pytest.mark.parametrize("source, problem", [
+    ("{tmp}/missing", "does not exist"),
+    ("{tmp}/notes.txt", "is a file but not a .tar.gz archive"),
+    ("{tmp}", "has no megatron/core/package_info.py"),
+    ("{tmp}/broken.tar.gz", "is not a readable .tar.gz archive (tar failed)"),
+])
+def test_bootstrap_refuses_a_bad_megatron_core_source_in_one_line(tmp_path, source, problem):
+    """Bad ``MEGATRON_CORE_SOURCE`` values are refused (exit 2, one line naming the value, the
+    problem and the fix) before anything is installed."""
+    (tmp_path / "notes.txt").write_text("not a tree\n")
+    (tmp_path / "broken.tar.gz").write_bytes(b"not gzip")
+    value = source.format(tmp=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_CORE_VERSION", "MEGATRON_CORE_SOURCE")}
+    done = subprocess.run([str(REPO / "scripts" / "bootstrap.sh")], env={**env, "MEGATRON_CORE_SOURCE": value},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [done.stderr.strip()]
+    assert done.stderr.startswith(f"bootstrap: MEGATRON_CORE_SOURCE={value} {problem}")
+    assert "megatron-lm-2a75ac12c5.tar.gz" in done.stderr or "Megatron-LM checkout" in done.stderr
+
+
+def test_bootstrap_refuses_both_megatron_core_variables():
+    env = {**os.environ, "MEGATRON_CORE_VERSION": "0.19.2", "MEGATRON_CORE_SOURCE": str(REPO)}
+    done = subprocess.run([str(REPO / "scripts" / "bootstrap.sh")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stderr) == (2, "bootstrap: MEGATRON_CORE_VERSION and MEGATRON_CORE_SOURCE are "
+                                              "both set; unset one (the release's wheel, or the tree)\n")
