@@ -414,6 +414,9 @@ class Patch(ABC):
 
     @staticmethod
     def found_fingerprint(target: Target) -> str:
+        """The installed code's fingerprint of ``target`` (:func:`~megatron_ext.fingerprints.fingerprint`
+        of the function under any wrappers); :data:`~megatron_ext.fingerprints.ABSENT` when its
+        module, class or attribute does not exist; ``"unreadable source (...)"`` without source."""
         try:
             return fingerprint(target.original())
         except (AttributeError, KeyError, MegatronExtError):  # no such class, method or module here
