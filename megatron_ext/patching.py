@@ -437,6 +437,13 @@ class Patch(ABC):
                             "after checking the code yourself")
         return self.result(PatchState.REFUSED, reason, evidence=self._evidence(match, differing))
 
+    def _unexpectedly_absent(self, match: TreeMatch) -> tuple[str, ...]:
+        """The checked functions the installed tree lacks that every known tree has. One that some
+        known tree lacks too (0.17 has no ``reconstruct_routing_from_blocks``, main no
+        ``_ssm_prefill``) is not missing code: such a tree, source-patched, is left to the probe."""
+        recorded = [*self.faulty_fingerprints.values(), *self.fixed_fingerprints.values()]
+        return tuple(name for name in match.absent if not any(prints.get(name) == ABSENT for prints in recorded))
+
     def _target(self, qualname: str) -> Target:
         return next(target for target in self.checked_functions() if target.qualname == qualname)
 
@@ -469,8 +476,8 @@ class Patch(ABC):
         """Decide without changing anything, from the installed code (the version only names it):
         APPLICABLE where the checked functions are a known faulty tree's, NOT_NEEDED where they are
         a known fixed tree's; otherwise the probe (:meth:`needed`) decides NOT_NEEDED, and code it
-        finds faulty is REFUSED (APPLICABLE when forced). A missing function or a probe that fails
-        is REFUSED even when forced. APPLIED if installed; NOT_APPLIED while a module of
+        finds faulty is REFUSED (APPLICABLE when forced). A missing function that every known tree
+        has, or a probe that fails, is REFUSED even when forced. APPLIED if installed; NOT_APPLIED while a module of
         :attr:`waits_for_import` is mid-import."""
         pending = self.import_pending()
         if pending:
@@ -487,8 +494,9 @@ class Patch(ABC):
         if match.fixed and not match.faulty:
             return self.result(PatchState.NOT_NEEDED, f"the installed code does not have this fault: megatron-core "
                                f"{version}'s targets match {tree_labels(match.fixed)}", self._evidence(match))
-        if match.absent:
-            names = ", ".join(f"{self._target(name).module}.{name}" for name in match.absent)
+        unexpected = self._unexpectedly_absent(match)
+        if unexpected:
+            names = ", ".join(f"{self._target(name).module}.{name}" for name in unexpected)
             return self.result(PatchState.REFUSED, f"{names} does not exist in megatron-core {version}: this code is not "
                                "one megatron-ext has checked, and the patch has nothing to wrap there",
                                self._evidence(match))
