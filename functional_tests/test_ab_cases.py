@@ -35,11 +35,11 @@ GPT_CASES = [name for name in shipped_cases()
 
 
 #: The default case and the weight-update case also run under Megatron-LM 2a75ac12c5 in .ci/run.
-MAIN_TREE_CASES = ("rl_rollouts", "rl_weight_update")
+EVERY_TREE_CASES = ("rl_rollouts", "rl_weight_update")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.main_tree) if name in MAIN_TREE_CASES
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.every_tree) if name in EVERY_TREE_CASES
                                   else name for name in GPT_CASES])
 def test_case_patched_is_bit_identical_and_audit_clean(name):
     result = run_ab(load_case(name), patched=True)
@@ -60,6 +60,7 @@ def test_case_patched_is_bit_identical_and_audit_clean(name):
 @pytest.mark.skipif(not LRU_FIXES, reason="the installed code needs no LRU fix; "
                     "test_lru_pressure_unpatched_fails_with_the_lru_faults_of_this_tree checks none shows")
 @pytest.mark.parametrize("fix", LRU_FIXES)
+@pytest.mark.every_tree
 def test_lru_pressure_reaches_the_fault_of_each_lru_fix(fix, monkeypatch):
     """All runtime patches but ``fix``: the case must fail with that fix's fault."""
     megatron_ext.revert()
@@ -75,6 +76,7 @@ def test_lru_pressure_reaches_the_fault_of_each_lru_fix(fix, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.every_tree
 def test_lru_pressure_unpatched_fails_with_the_lru_faults_of_this_tree():
     result = run_ab(load_case("lru_pressure"), patched=False)
     failures = " ".join(result.failures())
@@ -89,7 +91,7 @@ def test_lru_pressure_unpatched_fails_with_the_lru_faults_of_this_tree():
 
 
 @pytest.mark.slow
-@pytest.mark.main_tree
+@pytest.mark.every_tree
 def test_unpatched_audits_catch_the_faults_of_this_release(mcore_series):
     result = run_ab(load_case("rl_rollouts"), patched=False)
     assert result.total("kv_write_violations") > 0  # fix 2's fault: every release up to 0.19.2
@@ -106,6 +108,7 @@ def test_unpatched_audits_catch_the_faults_of_this_release(mcore_series):
 
 
 @pytest.mark.slow
+@pytest.mark.every_tree
 def test_chunked_prefill_top_n_fails_without_fix_7(monkeypatch, mcore_series):
     """All runtime patches but ``top-n-prefill-chunks`` (caching off vs REF_ZERO): tokens and
     log-probs stay bit-identical, but every top-n list carries one entry per non-final prefill

@@ -213,6 +213,7 @@ CROSS_RELEASE = "0.19.2"  # writes the common state into the .distcp files (0.17
 
 
 @pytest.mark.slow
+@pytest.mark.every_tree
 def test_checkpoint_saved_by_another_release_loads(cases, tmp_path, capfd):
     """Saved under megatron-core 0.19.2 (wheel unpacked, subprocess), run here without a model
     section: before megatron-ext's common-state reader, 0.17/0.18 failed with 'common.pt does not

@@ -176,7 +176,6 @@ def test_clamped_skip_keeps_the_mamba_restore_consistent():
 
 
 @pytest.mark.slow
-@pytest.mark.shared_fault
 def test_restored_mid_prompt_snapshot_is_bit_identical():
     """Fault H7: r1 (r0's first 34 tokens) restores r0's Mamba snapshot at token 32, mid-prompt,
     and computes 2 tokens; its conv state must keep tokens 31-32. With
@@ -193,7 +192,6 @@ def test_restored_mid_prompt_snapshot_is_bit_identical():
 
 
 @pytest.mark.slow
-@pytest.mark.shared_fault
 def test_continuation_chunk_skip_is_bit_identical():
     """Fault H8: with chunked prefill, r1's second chunk starts inside r0's cached blocks; it must
     not skip them (no Mamba state is restored after the first chunk). With
@@ -228,7 +226,6 @@ def commit_counts(result: dict) -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.shared_fault
 def test_exhausted_mamba_slot_pool_drops_snapshots_and_leaks_nothing():
     """Fault H6: one-block prompts want more Mamba snapshots than the slots not held by live
     requests (step 0 on 0.19, step 1 on 0.17 / 0.18). Patched, the commit keeps what fits, r6
@@ -248,7 +245,7 @@ def test_exhausted_mamba_slot_pool_drops_snapshots_and_leaks_nothing():
 
 
 @pytest.mark.slow
-@pytest.mark.shared_fault
+@pytest.mark.every_tree
 def test_exhausted_mamba_slot_pool_fails_the_step_without_the_fix():
     """The same case with ``MEGATRON_EXT_SKIP=mamba-slot-exhaustion`` (or unpatched): the released
     ``allocate_slots_batch`` takes the one free slot, ``_evict_lru_slots_batch`` finds nothing

@@ -102,7 +102,6 @@ def run_rounds(patched: bool) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.shared_fault  # fault 8 is every release's; its unit tests run under each
 def test_weight_update_drops_mamba_snapshots_of_the_old_weights():
     result = run_rounds(patched=not UNPATCHED)
     assert result["invariant"]

@@ -71,6 +71,7 @@ def test_mla_tiny_is_bit_identical_with_latent_writes_redirected(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.every_tree
 def test_mla_tiny_without_matched_block_writes_writes_latents_into_a_matched_block(monkeypatch):
     if not RUNS_MLA:
         with pytest.raises(MLAUnsupportedError) as error:
@@ -253,6 +254,7 @@ def test_mla_weight_update_reaches_decode_and_prefill_steps(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.every_tree
 def test_without_mla_absorbed_weights_the_update_misses_decode_steps(monkeypatch):
     if not RUNS_MLA:
         with pytest.raises(MLAUnsupportedError) as error:

@@ -52,6 +52,7 @@ def test_moe_routing_is_whole_equal_and_audited(mcore_series):
 
 
 @pytest.mark.slow
+@pytest.mark.every_tree
 def test_moe_verdict_names_the_routing_fault_of_this_release(monkeypatch, mcore_series):
     fix, expected = UNFIXED[mcore_series]
     megatron_ext.revert()

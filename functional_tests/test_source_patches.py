@@ -116,6 +116,7 @@ def patched_files(version: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", RELEASES)
+@pytest.mark.every_tree
 def test_source_patched_tree_needs_no_runtime_patch(version, tmp_path):
     tree = patched_tree(version, tmp_path)
     status = run_with(tree, "-m", "megatron_ext", "status", "--json")
@@ -136,12 +137,14 @@ def test_source_patched_tree_needs_no_runtime_patch(version, tmp_path):
 
 @pytest.mark.slow
 @needs_release
+@pytest.mark.every_tree
 def test_source_patched_newest_release_passes_the_fix_tests(tmp_path):
     run_fix_tests(patched_tree(RELEASES[-1], tmp_path), *FIX_TESTS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", RELEASES[:-1])
+@pytest.mark.every_tree
 def test_older_release_is_patched_to_the_newest_releases_code(version, tmp_path):
     """The patched files of an older release equal the newest release's after patching, except
     those of :data:`OLDER_RELEASE_DIFFERENCES`, whose fix tests then pass on the older tree."""
@@ -157,6 +160,7 @@ def test_older_release_is_patched_to_the_newest_releases_code(version, tmp_path)
 
 @pytest.mark.slow
 @needs_release
+@pytest.mark.every_tree
 def test_default_ab_case_passes_on_source_patched_tree(tmp_path):
     # The newest release of the series: its target files are identical to the older one's.
     assert_default_ab_case_passes(patched_tree(RELEASES[-1], tmp_path), tmp_path)
@@ -176,6 +180,7 @@ def assert_default_ab_case_passes(tree: Path, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @needs_release
+@pytest.mark.every_tree
 def test_resume_after_suspend_serves_no_cached_block_source_patched_as_runtime_patched(tmp_path):
     """Engine level, on the newest release of the series: ``engine.resume()`` after ``suspend()``
     flushes the prefix cache in the source-patched code exactly as the runtime patch does."""
@@ -264,7 +269,7 @@ COMMIT_FIX_TESTS = FIX_TESTS
 
 
 @pytest.mark.slow
-@pytest.mark.main_tree
+@pytest.mark.every_tree
 def test_source_patched_commit_tree_needs_no_runtime_patch(installed_commit, tmp_path):
     tree = patched_commit_tree(installed_commit, tmp_path)
     status = run_with(tree, "-m", "megatron_ext", "status", "--json")
@@ -276,12 +281,12 @@ def test_source_patched_commit_tree_needs_no_runtime_patch(installed_commit, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.main_tree
+@pytest.mark.every_tree
 def test_source_patched_commit_tree_passes_the_fix_tests(installed_commit, tmp_path):
     run_fix_tests(patched_commit_tree(installed_commit, tmp_path), *COMMIT_FIX_TESTS)
 
 
 @pytest.mark.slow
-@pytest.mark.main_tree
+@pytest.mark.every_tree
 def test_default_ab_case_passes_on_source_patched_commit_tree(installed_commit, tmp_path):
     assert_default_ab_case_passes(patched_commit_tree(installed_commit, tmp_path), tmp_path)

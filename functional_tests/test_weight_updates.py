@@ -60,7 +60,7 @@ def differing(result) -> dict[str, list[tuple[str, bool]]]:
 
 
 @pytest.mark.slow
-@pytest.mark.main_tree
+@pytest.mark.every_tree
 def test_rl_weight_update_keep_has_stale_hits_and_differs(keep, mcore_series):
     result = run_ab(load_case("rl_weight_update"), patched=True)
     state = {p["patch"]: p["state"] for p in result.patches}
@@ -121,6 +121,7 @@ def test_perturb_with_invalidate_prefix_cache_is_bit_identical(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["keep", "unpatched"])
+@pytest.mark.every_tree
 def test_perturb_without_invalidation_has_stale_hits(how, request):
     if how == "keep":
         request.getfixturevalue("keep")

@@ -18,7 +18,7 @@ from .allocator_factory import block_count, free_count
 from .conftest import SOURCE_PATCHED
 from .context_factory import add_and_collect_writes, make_request, prefix_caching_context
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 P32 = list(range(1000, 1032))
 

@@ -11,7 +11,7 @@ from .allocator_factory import block_count
 from .context_factory import BLOCK, finish_chunk, make_request
 from .test_lru_faults import forest, lru_context, predecessor_books, table
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 
 def chunked(ctx, req, sizes):

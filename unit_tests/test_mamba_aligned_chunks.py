@@ -28,7 +28,7 @@ from .conftest import SOURCE_PATCHED
 from .context_factory import make_request, prefix_caching_context
 from .hybrid_context_factory import hybrid_prefix_caching_context, scheduled_chunks
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 CACHING = pytest.mark.parametrize("prefix_caching", [False, True], ids=["caching off", "caching on"])
 

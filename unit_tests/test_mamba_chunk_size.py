@@ -22,7 +22,7 @@ from megatron_ext.patches.mamba_chunk_size import ALLOCATE, drops_chunk_size
 
 from .conftest import SOURCE_PATCHED
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 SERIES = mcore.release_series(mcore.installed_version())
 #: Whether the imported code drops the chunk size (0.17.x, unless it carries patches/).

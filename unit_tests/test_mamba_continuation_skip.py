@@ -22,7 +22,7 @@ from .conftest import SOURCE_PATCHED
 from .context_factory import add_and_collect_writes, block_table, finish_chunk, make_request
 from .hybrid_context_factory import engine_mamba_match, hybrid_prefix_caching_context, run_pending_mamba_ops
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 PROMPT = list(range(100, 180))
 

@@ -20,7 +20,7 @@ from megatron_ext.patches.mamba_decode_no_dummy import (INT_STATE_ARG, INT_STRID
 
 from .conftest import SOURCE_PATCHED, UNPATCHED, run_triton_probe
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from .hybrid_context_factory import (
     snapshot_value,
 )
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 SERIES = mcore.release_series(mcore.installed_version())
 PROMPT = list(range(100, 164))  # r1's 64 tokens; r0 has the first 48 (3 full blocks)

@@ -17,7 +17,7 @@ from megatron_ext.patches.mamba_slot_exhaustion import ALLOCATE, MambaSlotExhaus
 from .conftest import SOURCE_PATCHED
 from .mamba_factory import make_slot_allocator, row, stage_commit
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 
 def slots(allocator, n: int = 4) -> list[int]:

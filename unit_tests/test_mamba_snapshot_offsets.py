@@ -17,7 +17,7 @@ from megatron_ext.patches.mamba_snapshot_offsets import OFFSETS, filters_on_chun
 from .conftest import SOURCE_PATCHED
 from .mamba_factory import make_slot_allocator, request, row
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 SERIES = mcore.release_series(mcore.installed_version())
 #: Whether the imported code filters on chunk 128 (0.17.x / 0.18.x, unless it carries patches/).

@@ -20,7 +20,7 @@ from megatron_ext.harness.engine import build_model, ensure_model_parallel
 from megatron_ext.cpu_backend.mla import split_norm_linear
 from megatron_ext.patches.mla_absorbed_weights import share_split_weights
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 #: ``mla_tiny``: 4 heads, qk_head_dim 16, v_head_dim 16, kv_lora_rank 32.
 HEADS, QK, V, RANK = 4, 16, 16, 32

@@ -16,7 +16,7 @@ from megatron_ext.harness.cases import load_case
 from megatron_ext.harness.engine import build_engine, build_model, ensure_model_parallel
 from megatron_ext.harness.tokenizer import default_tokenizer
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 
 def test_every_mla_attention_call_gets_the_steps_decode_flag(runtime_patches, monkeypatch):

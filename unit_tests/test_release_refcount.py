@@ -21,7 +21,7 @@ from megatron_ext.patches.release_refcount import (
 from .allocator_factory import free_count, free_ids, make_allocator, pin, ref_counts
 from .conftest import SOURCE_PATCHED
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 HASH_5, HASH_6 = 1_000_005, 1_000_006
 BATCH_1 = [5, 6, 5, 6, 4]  # A's blocks, then B's blocks and B's private block

@@ -27,7 +27,7 @@ import types
 import pytest
 import torch
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 pytest.importorskip("megatron.core")
 

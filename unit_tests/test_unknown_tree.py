@@ -20,7 +20,7 @@ from megatron_ext.patching import Patch, PatchState
 
 from .conftest import UNPATCHED
 
-pytestmark = pytest.mark.main_tree  # also under Megatron-LM 2a75ac12c5 in .ci/run
+pytestmark = pytest.mark.every_tree  # runs under every tree in .ci/run
 
 REPO = Path(__file__).resolve().parents[1]
 EDITED = "DynamicInferenceContext.add_request"
