@@ -251,6 +251,9 @@ def test_mla_weight_update_reaches_decode_and_prefill_steps(monkeypatch):
     for run in result.runs:
         assert [(u.index, u.step, u.mla_stale_layers) for u in run.updates] == [(1, 12, [])]
         assert run.audit.stale_hits == 0
+    # every request equals fresh engines on the initial and the updated weights, bit for bit
+    assert [(r.compared, r.tokens_compared, r.max_abs_diff) for r in result.post_update_reference.runs] == [
+        ({0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1}, 36, 0.0)] * 3
 
 
 @pytest.mark.slow
@@ -267,4 +270,9 @@ def test_without_mla_absorbed_weights_the_update_misses_decode_steps(monkeypatch
     assert result.failures()[:3] == [
         f"fault M1 (mla-absorbed-weights): run {run}: after weight update 1 (step 12) decode-only steps of MLA layers "
         "1, 2 keep the old KV up-projection (prefill steps have the new one)" for run in runs]
+    # the post-update reference sees it too: round 1's decode steps are not the updated weights'
+    for reference in result.post_update_reference.runs:
+        assert reference.differing == ["r4.s0", "r5.s0"]
+        assert (reference.first_difference.version, reference.first_difference.request,
+                reference.first_difference.token) == (1, "r4.s0", 2)
     assert result.exit_code() == 1

@@ -83,6 +83,14 @@ def test_rl_weight_update_keep_has_stale_hits_and_differs(keep, mcore_series):
         assert run.updates[0].in_flight_tokens == {0: 76 + 15}  # its prompt + 15 generated tokens
         assert run.updates[0].trained_on == [1, 2, 3, 4] and run.updates[1].trained_on == [0, 5, 6, 7, 8]
         assert run.updates[0].weights_sha256 == result.baseline.updates[0].weights_sha256
+    # the fresh engines on each version's weights: caching off agrees with them; each request that
+    # differs from caching off (rounds 1 and 2, not the rollout in flight across update 1) differs from them
+    baseline, *cached = result.post_update_reference.runs
+    assert (len(baseline.compared), baseline.tokens_compared, baseline.differing, baseline.left_out) == (12, 72, [], [0])
+    for reference, policy in zip(cached, result.policies):
+        assert reference.differing == [d.label for d in policy.diffs if not d.identical and d.request_id != 0]
+        first = reference.first_difference
+        assert (first.version, first.request, first.token) == (1, "r2.s0", 0)
 
 
 @pytest.mark.slow
@@ -99,6 +107,12 @@ def test_perturb_with_invalidate_prefix_cache_is_bit_identical(tmp_path):
         # sits cached at ref count 0, so none is freed
         assert (update.blocks_unreachable, update.blocks_freed) == (3, 0)
     assert len({u.weights_sha256 for run in result.runs for u in run.updates}) == 1
+    # r1's and r2's samples equal fresh engines on versions 0 and 1 bit for bit; r0 spans both
+    assert result.post_update_reference.as_json() == {
+        "checked": True, "why_not": None, "weight_versions": 2, "passed": True,
+        "runs": [{"run": run.label, "requests_compared": 4, "tokens_compared": 16,
+                  "left_out_in_flight_across_an_update": 1, "max_abs_diff": 0.0, "requests_differing": [],
+                  "first_difference": None} for run in result.runs]}
     # per generated token, the weight version of its logits and the oldest of its KV prefix: r0 is
     # in flight across the update (7 tokens before it), r1 finished before it, r2 came after it
     for run in result.runs:

@@ -34,6 +34,7 @@ from .hybrid import MAMBA_STATE_DTYPE_RULE, bf16_mamba_states, kernel_dtypes, ma
 from .mla import check_mla_run, step_kind_warning
 from .step_loop import RunRecord, drive
 from .tokenizer import Tokenizer, check_vocab_fits, default_tokenizer
+from .post_update import PostUpdateCheck, PostUpdateReference
 from .trainer_logprobs import TrainerComparison, TrainerForward, TrainerLogProbs, check_supported
 from .weight_updates import WeightSnapshot, WeightUpdateError, WeightUpdater
 
@@ -89,6 +90,8 @@ class ABResult:
     update_checkpoints: list[CheckpointSource] = field(default_factory=list)
     #: ``--trainer-logprobs``: the trainer forward's log-probs vs the engine's, per run; None: not asked
     trainer_logprobs: Optional[TrainerLogProbs] = None
+    #: a case with weight updates: every run against fresh engines on the weights it ran under
+    post_update_reference: Optional[PostUpdateReference] = None
     #: ``--allow-unknown-args``: the Megatron case's arguments not known to megatron-ext that the
     #: run went without (the verdict holds for the model built without them)
     unknown_args_allowed: list[str] = field(default_factory=list)
@@ -194,6 +197,8 @@ class ABResult:
         problems.extend(self._mla_update_failures())
         if self.trainer_logprobs is not None:
             problems.extend(self.trainer_logprobs.failures())
+        if self.post_update_reference is not None:
+            problems.extend(self.post_update_reference.failures())
         for run in self.runs:
             if run.error:
                 problems.append(f"megatron-core raised in run {run.eviction_policy or 'caching off'} at {run.error}")
@@ -305,6 +310,8 @@ class ABResult:
             **({} if self.trainer_logprobs is None else {
                 "trainer_logprobs": self.trainer_logprobs.as_json(),
                 "trainer_logprobs_detail": self.trainer_logprobs.detail_json()}),
+            **({} if self.post_update_reference is None else {
+                "post_update_reference": self.post_update_reference.as_json()}),
         }
 
 
@@ -529,7 +536,8 @@ def run_ab(
         checkpoint = None if load is None else load_checkpoint(model, load, case.name)
         snapshot = _initial_weights(model, case, at_updates)
         trainer = TrainerComparison(model, planned, forward) if forward is not None else None
-        runs = _Runs(model, case, planned, on_step, on_run, tokenizer, snapshot, at_updates, trainer)
+        reference = PostUpdateCheck(case, planned, tokenizer) if snapshot is not None else None
+        runs = _Runs(model, case, planned, on_step, on_run, tokenizer, snapshot, at_updates, trainer, reference)
         baseline = runs.one(False, case.prefix_caching_eviction_policies[0])
         result = ABResult(case, mcore.installed_version(), device, patches, invariance, baseline,
                           checkpoint=checkpoint, requests=[_request_json(r) for r in planned],
@@ -539,6 +547,7 @@ def run_ab(
             run = runs.one(True, policy)
             result.policies.append(PolicyResult(policy, run, compare_runs(baseline.outputs, run.outputs)))
         result.trainer_logprobs = trainer.result if trainer is not None else None
+        result.post_update_reference = reference.result() if reference is not None else None
     result.ranks = gather_ranks(result)
     result.wall_s = time.perf_counter() - started
     return result
@@ -617,19 +626,26 @@ class _Runs:
     #: ``--trainer-logprobs``: the trainer forward of each run's requests (before each weight update
     #: for the requests generated under the weights it replaces, and after the run); None: off
     trainer: Optional[TrainerComparison] = None
+    #: a case with weight updates: keeps each weight version, compared with fresh engines after the runs
+    reference: Optional[PostUpdateCheck] = None
 
     def one(self, prefix_caching: bool, policy: str) -> RunRecord:
         """One run (caching on with ``policy``, or off), from the initial weights."""
         updater = None
         if self.snapshot is not None:
             self.snapshot.restore(self.model)
-            updater = WeightUpdater(self.model, self.case.weight_updates, self.planned, self.update_checkpoints)
+            if self.reference is not None:
+                self.reference.start(self.model)
+            updater = WeightUpdater(self.model, self.case.weight_updates, self.planned, self.update_checkpoints,
+                                    self.reference.updated if self.reference is not None else None)
         if self.trainer is not None:
             self.trainer.start(updater)
         run = _one_run(self.model, self.case, self.planned, prefix_caching, policy, self.on_step, self.on_run,
                        self.tokenizer, updater)
         if self.trainer is not None:
             self.trainer.after(run)
+        if self.reference is not None:
+            self.reference.after(run)
         return run
 
 

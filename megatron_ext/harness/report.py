@@ -232,11 +232,12 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
         counted = f"{total} requests" if not left_out else (
             f"{total - left_out} of {total} requests ({left_out} left out: updated at another token)")
         trained = "" if result.trainer_logprobs is None else f"; {result.trainer_logprobs.pass_clause()}"
+        reference = "" if result.post_update_reference is None else f"; {result.post_update_reference.pass_clause()}"
         unknown = "" if not result.unknown_args_allowed else (
             f"; for the model built without {escape(', '.join(result.unknown_args_allowed))} (not known to megatron-ext, "
             "--allow-unknown-args)")
         console.print(f"[bold green]PASS[/]: {counted} bit-identical with "
-                      f"prefix caching on and off{weights}{trained}; every audit holds{unknown} ({result.wall_s:.1f} s)",
+                      f"prefix caching on and off{weights}{trained}; every audit holds{reference}{unknown} ({result.wall_s:.1f} s)",
                       soft_wrap=True)
 
 

@@ -428,6 +428,8 @@ def soak_summary(result: "ABResult") -> dict[str, Any]:
             "weight_updates": len(run.updates),
             "error": run.error,
         }
+    if result.post_update_reference is not None:
+        out["post_update_reference"] = result.post_update_reference.as_json()
     return out
 
 
@@ -452,7 +454,9 @@ def _model_figures(case: Case, audit: Any) -> dict[str, Any]:
 
 
 def soak_lines(summary: dict[str, Any]) -> list[str]:
-    """One report line per run of :func:`soak_summary`'s figures (``soak <run>: ...``)."""
+    """One report line per run of :func:`soak_summary`'s figures (``soak <run>: ...``), then the
+    post-update reference's (``soak --update-every``)."""
+    reference = summary.get("post_update_reference")
     return [
         f"soak {name}: {summary['requests']} requests, {run['engine_steps']} engine steps, "
         f"{run['wall_s']} s, {run['blocks_matched']} blocks matched, peak pool use "
@@ -472,7 +476,18 @@ def soak_lines(summary: dict[str, Any]) -> list[str]:
            if "drafts" in run else "")
         + (f"; megatron-core raised: {run['error']}" if run["error"] else "")
         for name, run in summary["runs"].items()
-    ]
+    ] + ([] if reference is None else [_reference_line(reference)])
+
+
+def _reference_line(reference: dict[str, Any]) -> str:
+    if not reference["checked"]:
+        return f"soak post-update reference: not run ({reference['why_not']})"
+    compared = sum(run["requests_compared"] for run in reference["runs"])
+    tokens = sum(run["tokens_compared"] for run in reference["runs"])
+    differing = sum(len(run["requests_differing"]) for run in reference["runs"])
+    return (f"soak post-update reference: {compared} requests ({tokens} tokens) of {len(reference['runs'])} runs "
+            f"against fresh engines on {reference['weight_versions']} weight versions, {differing} differing, "
+            f"max |Δ log-prob| {max((run['max_abs_diff'] for run in reference['runs']), default=0.0):.3g}")
 
 
 def fit_vocab(case: Case, vocab_size: int) -> tuple[Case, Optional[str]]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -95,7 +95,7 @@ class WeightSnapshot:
     decode-only steps keep reading the original tensor's storage."""
 
     def __init__(self, model: Any) -> None:
-        self._tensors = {name: (t, t.detach().clone()) for name, t in _named_tensors(model)}
+        self._tensors = {name: (t, t.detach().clone()) for name, t in named_tensors(model)}
 
     def restore(self, model: Any) -> None:
         """Copy the saved values back into ``model``'s tensors, in place (same storage, so an
@@ -103,11 +103,12 @@ class WeightSnapshot:
         with torch.no_grad():
             for tensor, saved in self._tensors.values():
                 tensor.data.copy_(saved)
-            for name, tensor in _named_tensors(model):
+            for name, tensor in named_tensors(model):
                 tensor.data.copy_(self._tensors[pre_absorption_name(name)][1])
 
 
-def _named_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
+def named_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``model`` (buffers named ``buffer:<name>``)."""
     return [*model.named_parameters(), *((f"buffer:{n}", b) for n, b in model.named_buffers())]
 
 
@@ -128,14 +129,16 @@ class WeightUpdater:
         spec: the case's ``weight_updates``.
         planned: the run's requests (prompts and rounds, for ``train_step``).
         checkpoints: ``checkpoint`` updates: one checkpoint for every update, or one per update.
+        on_updated: called with the model after each update (the post-update reference keeps its weights).
 
     Raises:
         WeightUpdateError: ``checkpoint`` without checkpoints, or their count fits neither.
     """
 
     def __init__(self, model: Any, spec: WeightUpdateSpec, planned: Sequence[PlannedRequest],
-                 checkpoints: Sequence[CheckpointSource] = ()) -> None:
-        self.model, self.spec = model, spec
+                 checkpoints: Sequence[CheckpointSource] = (),
+                 on_updated: Optional[Callable[[Any], None]] = None) -> None:
+        self.model, self.spec, self.on_updated = model, spec, on_updated
         self.planned = {p.request_id: p for p in planned}
         if spec.kind == "checkpoint" and len(checkpoints) not in (1, len(spec.update_at_steps)):
             raise WeightUpdateError(
@@ -170,6 +173,8 @@ class WeightUpdater:
             load_checkpoint(self.model, self.checkpoints[min(k - 1, len(self.checkpoints) - 1)])
         record.weights_sha256 = weights_sha256(self.model)
         record.mla_stale_layers = stale_absorbed_layers(self.model)
+        if self.on_updated is not None:
+            self.on_updated(self.model)
 
     def _train_step(self, batch: list[int], outputs: dict[int, RequestOutput], seed: int) -> float:
         if not batch:
