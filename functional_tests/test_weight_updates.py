@@ -83,12 +83,15 @@ def test_rl_weight_update_keep_has_stale_hits_and_differs(keep, mcore_series):
         assert run.updates[0].in_flight_tokens == {0: 76 + 15}  # its prompt + 15 generated tokens
         assert run.updates[0].trained_on == [1, 2, 3, 4] and run.updates[1].trained_on == [0, 5, 6, 7, 8]
         assert run.updates[0].weights_sha256 == result.baseline.updates[0].weights_sha256
-    # the fresh engines on each version's weights: caching off agrees with them; each request that
-    # differs from caching off (rounds 1 and 2, not the rollout in flight across update 1) differs from them
-    baseline, *cached = result.post_update_reference.runs
+    # the fresh engines on each version's weights: caching off agrees with them; the stale hits do not:
+    # round 1's samples under both policies, under LRU round 2's requests that matched round 0's blocks too
+    baseline, ref_zero, lru = result.post_update_reference.runs
     assert (len(baseline.compared), baseline.tokens_compared, baseline.differing, baseline.left_out) == (12, 72, [], [0])
-    for reference, policy in zip(cached, result.policies):
-        assert reference.differing == [d.label for d in policy.diffs if not d.identical and d.request_id != 0]
+    round_2 = [f"r2.s{i}" for i in range(4)]
+    assert ref_zero.differing == round_2
+    assert lru.differing[:4] == round_2 and lru.differing[4:] and set(lru.differing[4:]) <= {
+        r.label for r in result.baseline.outputs.values() if r.label[:2] in ("r3", "r4")}
+    for reference in (ref_zero, lru):
         first = reference.first_difference
         assert (first.version, first.request, first.token) == (1, "r2.s0", 0)
 
