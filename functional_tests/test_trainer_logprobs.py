@@ -181,6 +181,18 @@ def test_megatron_mode_reports_the_mismatch_and_passes(dtype):
 
 
 @pytest.mark.slow
+def test_megatron_mode_runs_a_hybrid_model():
+    """hybrid_tiny: the training forward (each Mamba layer's chunked scan, the CPU backend's causal
+    conv1d) against the engine's prefill and decode steps, for information: every generated token
+    compared in each run, the same figures caching off and on, the last bits apart."""
+    result = run_ab(load_case("functional_tests/cases/hybrid_tiny.yaml"), trainer_logprobs="megatron")
+    assert result.failures() == [] and result.exit_code() == 0
+    figures = [run.as_json() for run in result.trainer_logprobs.runs]
+    assert [f["tokens"] for f in figures] == [10, 10, 10] and all(f == figures[0] for f in figures)
+    assert 0 < figures[0]["bit_identical_tokens"] < 10 and 0.0 < figures[0]["max_abs_diff"] < 1e-5
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, pp", [pytest.param(2, 1, id="tp2", marks=pytest.mark.multirank),
                                     pytest.param(1, 2, id="pp2", marks=(pytest.mark.multirank, pytest.mark.breadth))])
 def test_tiny_case_matched_multi_rank(tmp_path, torchrun, tp, pp):

@@ -140,7 +140,9 @@ def test_bare_flag_means_matched():
 
 
 @pytest.mark.parametrize("case, device, tp, pp, message", [
-    ("functional_tests/cases/hybrid_tiny.yaml", "cpu", 1, 1, "runs GPT models only (not hybrid Mamba models yet)"),
+    ("functional_tests/cases/hybrid_tiny.yaml", "cpu", 1, 1, "matched is for GPT models: a hybrid model's training "
+     "forward scans each Mamba layer in chunks where the engine's decode steps run the recurrence token by token "
+     "(other float arithmetic); use --trainer-logprobs megatron (for information)"),
     ("rl_rollouts", "cuda", 1, 1, "matched needs the CPU backend (--device cpu)"),
 ])
 def test_what_is_not_done_yet_is_refused(case, device, tp, pp, message):
@@ -151,7 +153,7 @@ def test_what_is_not_done_yet_is_refused(case, device, tp, pp, message):
 def test_run_ab_refuses_before_building(monkeypatch):
     monkeypatch.setattr(ab, "build_model", lambda *a, **k: pytest.fail("built a model"))
     monkeypatch.setattr(ab, "apply", lambda *a, **k: pytest.fail("applied the patches"))
-    with pytest.raises(TrainerLogProbsError, match="runs GPT models only"):
+    with pytest.raises(TrainerLogProbsError, match="matched is for GPT models"):
         ab.run_ab(load_case("functional_tests/cases/hybrid_tiny.yaml"), trainer_logprobs="matched")
     with pytest.raises(TrainerLogProbsError, match="choose one of matched, megatron"):
         ab.run_ab(load_case("rl_rollouts"), trainer_logprobs="exact")

@@ -45,7 +45,7 @@ import importlib.util
 import os
 import sys
 import types
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -67,14 +67,46 @@ class CompiledKernelUnavailable(NotImplementedError):
     """A compiled Mamba CUDA extension function was called on the CPU backend."""
 
 
+def _causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       seq_idx: Optional[torch.Tensor], initial_states: Optional[torch.Tensor], out: torch.Tensor,
+                       final_states_out: Optional[torch.Tensor], silu_activation: bool) -> None:
+    """Plain-torch ``causal_conv1d_cuda.causal_conv1d_fwd`` (causal-conv1d 1.7.0's signature), the
+    depthwise causal convolution of the Mamba mixer's *training* forward
+    (``mamba_split_conv1d_scan_combined``; dynamic inference uses the Triton varlen kernel instead).
+
+    Args:
+        x: ``(batch, dim, seqlen)`` input; weight: ``(dim, width)``; bias: ``(dim,)`` or None.
+        out: ``(batch, dim, seqlen)``, written: ``conv(x)[..., t]`` over ``x[..., t - width + 1 : t + 1]``
+            (zeros before the start), plus bias, then SiLU if ``silu_activation``; in ``x``'s dtype.
+
+    Raises:
+        CompiledKernelUnavailable: packed sequences (``seq_idx``), initial or final states (not
+            used by a training forward of right-padded batches).
+    """
+    if seq_idx is not None or initial_states is not None or final_states_out is not None:
+        raise CompiledKernelUnavailable("causal_conv1d_cuda.causal_conv1d_fwd with seq_idx or conv states is not "
+                                        "available on the CPU backend (only a plain batch's training forward is)")
+    width = weight.shape[-1]
+    y = torch.nn.functional.conv1d(x.float(), weight.float().unsqueeze(1), None if bias is None else bias.float(),
+                                   padding=width - 1, groups=x.shape[1])[..., : x.shape[-1]].contiguous()
+    out.copy_(torch.nn.functional.silu(y) if silu_activation else y)
+
+
+#: Compiled-extension functions the CPU backend runs in plain torch (module -> name -> function).
+EXTENSION_FUNCTIONS = {"causal_conv1d_cuda": {"causal_conv1d_fwd": _causal_conv1d_fwd}}
+
+
 class _CompiledExtensionStandIn(types.ModuleType):
-    """Module object standing in for a compiled CUDA extension: any attribute is a function that
-    raises :class:`CompiledKernelUnavailable` naming the module and attribute."""
+    """Module object standing in for a compiled CUDA extension: a function of
+    :data:`EXTENSION_FUNCTIONS`, or any other attribute a function that raises
+    :class:`CompiledKernelUnavailable` naming the module and attribute."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
         module = self.__name__
+        if name in EXTENSION_FUNCTIONS.get(module, {}):
+            return EXTENSION_FUNCTIONS[module][name]
 
         def unavailable(*args: Any, **kwargs: Any) -> Any:
             raise CompiledKernelUnavailable(

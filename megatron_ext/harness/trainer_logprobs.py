@@ -137,8 +137,10 @@ def check_supported(forward: TrainerForward, case: Any, device: str, tensor_mode
             matched attention is the CPU backend's).
     """
     why = None
-    if case.model.is_hybrid:
-        why = "runs GPT models only (not hybrid Mamba models yet)"
+    if case.model.is_hybrid and forward.attention == "matched":
+        why = ("matched is for GPT models: a hybrid model's training forward scans each Mamba layer in chunks "
+               "where the engine's decode steps run the recurrence token by token (other float arithmetic); "
+               "use --trainer-logprobs megatron (for information)")
     elif forward.attention == "matched" and device != "cpu":
         why = "matched needs the CPU backend (--device cpu); use --trainer-logprobs megatron on cuda"
     if why:
