@@ -309,12 +309,19 @@ def token_weight_versions(request: Any) -> "TokenWeightVersions":
 
 
 def _refresh_mamba_decode_a(result: "InvalidationResult") -> "InvalidationResult":
-    """``result``, after refilling the Mamba decode caches of ``-exp(A_log)`` (fault H11) when the
-    ``mamba-decode-a-cache`` patch is applied: the same update changed ``A_log`` maybe."""
+    """``result``, after refilling the Mamba decode caches of ``-exp(A_log)`` (fault H11): the same
+    update may have changed ``A_log``. By the ``mamba-decode-a-cache`` patch when it is applied, by
+    the source-patched mixer module's ``refresh_decode_A_caches`` on a tree with ``patches/``."""
+    import sys
+
     from .patches import mamba_decode_a_cache as h11
 
     if next(p for p in ALL_PATCHES if p.name == h11.MambaDecodeACachePatch.name).is_applied():
         h11.refresh_all()
+    else:
+        source_patched = getattr(sys.modules.get(h11.MAMBA_MIXER_MODULE), "refresh_decode_A_caches", None)
+        if source_patched is not None:
+            source_patched()
     return result
 
 

@@ -13,9 +13,9 @@ model) decode runs the old ``A`` and prefill the new one, with no error. 0.17 ha
 Reported upstream as Megatron-LM issue #6723 (open); main's #6672 covers the reshard path and
 ``train(False)`` only.
 
-The fix wraps ``_get_decode_A_neg_exp``. On the inference path (not training, grad disabled) it
-compares a stamp of ``A_log`` kept on the mixer, ``(data_ptr, _version, generation)``, with the
-current one and marks the cache stale when they differ, so the released call refills it (an
+The fix wraps ``_get_decode_A_neg_exp``: it compares a stamp of ``A_log`` kept on the mixer,
+``(data_ptr, _version, generation)``, with the current one and marks the cache stale when they
+differ, so the released call refills it on the inference path (an
 in-place ``copy_`` or ``load_state_dict`` bumps ``_version``; ``param.data.add_`` does not).
 ``generation`` is a process-wide count of weight-update signals: ``engine.resume()``
 (``reinitialize_inference_state_buffers``), a new context (``initialize_all_tensors``), each
@@ -61,21 +61,19 @@ def _stamp(a_log: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _decode_a_wrapper(wrapped: Callable, mixer: Any, args: tuple, kwargs: dict) -> torch.Tensor:
-    """``_get_decode_A_neg_exp()``: the released call, after marking the cache stale when ``A_log``
-    changed since it was filled (its stamp). Runs once per Mamba layer and decode step."""
-    if mixer.training or torch.is_grad_enabled():
-        return wrapped(*args, **kwargs)  # the released code computes A afresh there
+    """``_get_decode_A_neg_exp()``, after marking the cache stale when ``A_log`` changed since its
+    stamp. Runs once per Mamba layer and decode step, so it tests nothing else: in training or
+    with grad enabled the released code computes A afresh and leaves the stale flag set, so the
+    next inference call refills the cache."""
     state = mixer.__dict__
-    stamp = _stamp(state["_parameters"]["A_log"])
-    seen = state.get(STAMP_ATTR)
-    if seen == stamp:
-        return wrapped(*args, **kwargs)
-    if seen is None:
-        _MIXERS.add(mixer)
-    mixer._A_neg_exp_cache_stale = True
-    result = wrapped(*args, **kwargs)
-    state[STAMP_ATTR] = stamp
-    return result
+    a_log = state["_parameters"]["A_log"]
+    stamp = (a_log.data_ptr(), a_log._version, _generation)
+    if state.get(STAMP_ATTR) != stamp:
+        if STAMP_ATTR not in state:
+            _MIXERS.add(mixer)
+        mixer._A_neg_exp_cache_stale = True
+        state[STAMP_ATTR] = stamp
+    return wrapped(*args, **kwargs)
 
 
 def refill(mixer: Any) -> bool:
