@@ -6,7 +6,7 @@ subprocess importing that copy:
 - ``megatron-ext status`` reports every runtime patch "not needed" (the fix is detected in
   the code: by a probe of the code's behaviour for fixes 1, 3 and 5, by the signature of
   ``is_memory_available`` for fix 4, by the recorded source-patched fingerprints for fixes 2,
-  6, 7, 8, 9, H1, H7, H8 and H10; by probes of the Mamba slot allocator for H4 and H6; by the context's own
+  6, 7, 8, 9, H1, H7, H8, H10 and H11; by probes of the Mamba slot allocator for H4 and H6; by the context's own
   ``_find_mamba_match_count`` for H5);
 - the unit tests that check the runtime patches pass there without them being applied (the
   consistency check between runtime and source patches) on the series' newest release; an older
@@ -130,6 +130,7 @@ def test_source_patched_tree_needs_no_runtime_patch(version, tmp_path):
             "mamba-chunk-size", "mamba-snapshot-offsets", "mamba-slot-exhaustion",
             "mamba-match-in-chunk", "mamba-clamp-restore", "mamba-conv-carry",
             "mamba-continuation-skip", "mamba-aligned-chunks", "mamba-decode-no-dummy",
+            "mamba-decode-a-cache",
             "routing-per-block", "routing-finished-blocks", "routing-evicted-requests",
             "mla-decode-flag", "mla-absorbed-weights")}
 
