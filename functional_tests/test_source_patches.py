@@ -90,6 +90,7 @@ FIX_TESTS = ("unit_tests/test_release_refcount.py", "unit_tests/test_matched_blo
              "unit_tests/test_mamba_match_in_chunk.py", "unit_tests/test_mamba_clamp_restore.py",
              "unit_tests/test_mamba_conv_carry.py", "unit_tests/test_mamba_continuation_skip.py",
              "unit_tests/test_mamba_aligned_chunks.py", "unit_tests/test_mamba_decode_no_dummy.py",
+             "unit_tests/test_mamba_decode_a_cache.py",
              "unit_tests/test_routing_per_block.py", "unit_tests/test_routing_evicted_requests.py",
              "unit_tests/test_mla_decode_flag.py", "unit_tests/test_mla_absorbed_weights.py")
 
