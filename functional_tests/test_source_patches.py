@@ -6,7 +6,7 @@ subprocess importing that copy:
 - ``megatron-ext status`` reports every runtime patch "not needed" (the fix is detected in
   the code: by a probe of the code's behaviour for fixes 1, 3 and 5, by the signature of
   ``is_memory_available`` for fix 4, by the recorded source-patched fingerprints for fixes 2,
-  6, 7, 8, 9, H1, H7, H8 and H10; by probes of the Mamba slot allocator for H4 and H6; by the context's own
+  6, 7, 8, 9, H1, H7, H8, H10 and H11; by probes of the Mamba slot allocator for H4 and H6; by the context's own
   ``_find_mamba_match_count`` for H5);
 - the unit tests that check the runtime patches pass there without them being applied (the
   consistency check between runtime and source patches) on the series' newest release; an older
@@ -90,6 +90,7 @@ FIX_TESTS = ("unit_tests/test_release_refcount.py", "unit_tests/test_matched_blo
              "unit_tests/test_mamba_match_in_chunk.py", "unit_tests/test_mamba_clamp_restore.py",
              "unit_tests/test_mamba_conv_carry.py", "unit_tests/test_mamba_continuation_skip.py",
              "unit_tests/test_mamba_aligned_chunks.py", "unit_tests/test_mamba_decode_no_dummy.py",
+             "unit_tests/test_mamba_decode_a_cache.py",
              "unit_tests/test_routing_per_block.py", "unit_tests/test_routing_evicted_requests.py",
              "unit_tests/test_mla_decode_flag.py", "unit_tests/test_mla_absorbed_weights.py")
 
@@ -131,6 +132,7 @@ def test_source_patched_tree_needs_no_runtime_patch(version, tmp_path):
             "mamba-chunk-size", "mamba-snapshot-offsets", "mamba-slot-exhaustion",
             "mamba-match-in-chunk", "mamba-clamp-restore", "mamba-conv-carry",
             "mamba-continuation-skip", "mamba-aligned-chunks", "mamba-decode-no-dummy",
+            "mamba-decode-a-cache",
             "routing-per-block", "routing-finished-blocks", "routing-evicted-requests",
             "mla-decode-flag", "mla-absorbed-weights")}
 

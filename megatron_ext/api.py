@@ -223,6 +223,9 @@ def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
     runtime patch is "not needed" and not applied: the context's own source-patched
     ``invalidate_prefix_cache()`` does the same flush and its counts are returned.
 
+    With the ``mamba-decode-a-cache`` patch applied (fault H11), a call that returns also refills
+    every Mamba layer's decode cache of ``-exp(A_log)`` from the current weights.
+
     Args:
         target: a ``DynamicInferenceEngine`` or a ``DynamicInferenceContext``.
 
@@ -250,11 +253,11 @@ def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
     patch = _weight_update_patch()
     with _LOCK:
         if patch.is_applied():
-            return fault8.flush(context)
+            return _refresh_mamba_decode_a(fault8.flush(context))
         if patch.mode == "keep":
             fault8.warn_once("keep", f"invalidate_prefix_cache did nothing: {fault8.ON_WEIGHT_UPDATE_ENV}=keep at "
                              "megatron_ext.apply(), so prefix-cached KV of the old weights stays matchable")
-            return fault8.InvalidationResult(kept=True)
+            return _refresh_mamba_decode_a(fault8.InvalidationResult(kept=True))
         try:
             source_patched = not patch.needed()[0]
         except Exception:  # an unreadable source is no evidence of the fix (as in plan())
@@ -262,7 +265,8 @@ def invalidate_prefix_cache(target: Any) -> "InvalidationResult":
         bypassed = _bypassed(patch)
     if source_patched:
         unreachable, freed = context.invalidate_prefix_cache()
-        return fault8.checked(context, fault8.InvalidationResult(unreachable, freed, epoch=context.prefix_cache_epoch))
+        return _refresh_mamba_decode_a(
+            fault8.checked(context, fault8.InvalidationResult(unreachable, freed, epoch=context.prefix_cache_epoch)))
     if bypassed:
         raise WeightUpdatePatchNotApplied(f"invalidate_prefix_cache: {bypassed}")
     raise WeightUpdatePatchNotApplied(
@@ -302,6 +306,23 @@ def token_weight_versions(request: Any) -> "TokenWeightVersions":
         if bypassed:
             raise WeightVersionsNotRecorded(f"{exc}; {bypassed}") from None
         raise
+
+
+def _refresh_mamba_decode_a(result: "InvalidationResult") -> "InvalidationResult":
+    """``result``, after refilling the Mamba decode caches of ``-exp(A_log)`` (fault H11): the same
+    update may have changed ``A_log``. By the ``mamba-decode-a-cache`` patch when it is applied, by
+    the source-patched mixer module's ``refresh_decode_A_caches`` on a tree with ``patches/``."""
+    import sys
+
+    from .patches import mamba_decode_a_cache as h11
+
+    if next(p for p in ALL_PATCHES if p.name == h11.MambaDecodeACachePatch.name).is_applied():
+        h11.refresh_all()
+    else:
+        source_patched = getattr(sys.modules.get(h11.MAMBA_MIXER_MODULE), "refresh_decode_A_caches", None)
+        if source_patched is not None:
+            source_patched()
+    return result
 
 
 def _weight_update_patch() -> Any:

@@ -7,7 +7,7 @@ imported already). That module imports the KV block allocator module itself, so 
 by then. wrapt, torch and the patches load inside the hook, with megatron-core. The
 engine module usually imports the context half-way through its own import: the patches on the
 engine (``top-n-prefill-chunks``, ``routing-evicted-requests``, ``mamba-aligned-chunks``) then wait, and a second hook applies it when the engine module
-is imported (likewise ``mamba-conv-carry`` and ``mamba-decode-no-dummy`` and the Mamba mixer module,
+is imported (likewise ``mamba-conv-carry``, ``mamba-decode-no-dummy`` and ``mamba-decode-a-cache`` and the Mamba mixer module,
 which imports the decode kernel's module, and the MLA patches and the multi-latent attention module); each patch's line is
 printed again only when its state changed.
 """
@@ -21,7 +21,7 @@ from ..import_hooks import when_imported
 AUTO_ENV = "MEGATRON_EXT_AUTO"
 HOOKED_MODULE = "megatron.core.inference.contexts.dynamic_context"
 ENGINE_MODULE = "megatron.core.inference.engines.dynamic_engine"
-#: hybrid models: the Mamba mixer (``mamba-conv-carry`` and ``mamba-decode-no-dummy`` wait for it,
+#: hybrid models: the Mamba mixer (``mamba-conv-carry``, ``mamba-decode-no-dummy`` and ``mamba-decode-a-cache`` wait for it,
 #: like the engine patch)
 MAMBA_MIXER_MODULE = "megatron.core.ssm.mamba_mixer"
 #: MLA models: ``mla-decode-flag`` and ``mla-absorbed-weights`` wait for the multi-latent attention module (imported with

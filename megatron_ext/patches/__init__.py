@@ -11,6 +11,7 @@ from .mamba_chunk_size import MambaChunkSizePatch
 from .mamba_clamp_restore import MambaClampRestorePatch
 from .mamba_continuation_skip import MambaContinuationSkipPatch
 from .mamba_conv_carry import MambaConvCarryPatch
+from .mamba_decode_a_cache import MambaDecodeACachePatch
 from .mamba_decode_no_dummy import MambaDecodeNoDummyPatch
 from .mamba_match_in_chunk import MambaMatchInChunkPatch
 from .mamba_slot_exhaustion import MambaSlotExhaustionPatch
@@ -50,4 +51,5 @@ ALL_PATCHES: tuple[Patch, ...] = (
     MambaContinuationSkipPatch(),
     MambaAlignedChunksPatch(),
     MambaDecodeNoDummyPatch(),
+    MambaDecodeACachePatch(),
 )

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -69,9 +68,10 @@ import torch
 from .. import mcore
 from ..env import choice
 from ..guards import Guarded
-from ..import_hooks import when_imported
 from ..patching import Patch, PatchResult, PatchState, Target
 from . import weight_versions
+# swap_model_weights' wrapper, shared with fault H11's patch (each installs itself as an owner)
+from .swap_hook import REFIT_MODULE, SWAP, SWAP_HOOK  # noqa: F401  REFIT_MODULE, SWAP: tests read them here
 
 ON_WEIGHT_UPDATE_ENV = "MEGATRON_EXT_ON_WEIGHT_UPDATE"
 ON_WEIGHT_UPDATE_MODES = ("invalidate", "keep")
@@ -88,8 +88,6 @@ STEP = Target(mcore.DYNAMIC_CONTEXT_MODULE, "DynamicInferenceContext.initialize_
 DEREGISTER = Target(mcore.KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator._deregister_blocks")
 RELEASE = Target(mcore.KV_BLOCK_ALLOCATOR_MODULE, "KVBlockAllocator.release_memory_blocks")
 
-REFIT_MODULE = "megatron.core.resharding.refit"
-SWAP = "swap_model_weights"
 
 #: Per context: flushes so far (the epoch); the process weight version it last flushed for.
 EPOCH_ATTR = "_megatron_ext_prefix_cache_epoch"
@@ -304,14 +302,12 @@ def _reinitialize_wrapper(wrapped: Callable, context: Any, args: tuple, kwargs: 
     return result
 
 
-def _swap_wrapper(wrapped: Callable, _instance: Any, args: tuple, kwargs: dict):
-    """``swap_model_weights(...)``: every context flushes at its next prefix match or step."""
+def _on_swap() -> None:
+    """After each ``swap_model_weights`` (:data:`SWAP_HOOK`): every context flushes at its next
+    prefix match or step."""
     global _current_version
-    try:
-        return wrapped(*args, **kwargs)
-    finally:  # a swap that failed half way changed weights too
-        with _LOCK:
-            _current_version += 1
+    with _LOCK:
+        _current_version += 1
 
 
 class WeightUpdateInvalidationPatch(Patch):
@@ -365,79 +361,15 @@ class WeightUpdateInvalidationPatch(Patch):
     def install(self) -> None:
         global _current_version
         super().install()
-        SWAP_HOOK.install()
+        SWAP_HOOK.install(self.name, _on_swap)
         if self._reverted:  # weights may have been swapped unseen while reverted
             with _LOCK:
                 _current_version += 1
             weight_versions.note_reapply()
 
     def uninstall(self) -> bool:
-        SWAP_HOOK.uninstall()
+        SWAP_HOOK.uninstall(self.name)
         weight_versions.restore_all_hashes()
         weight_versions.note_revert()
         self._reverted = True
         return super().uninstall()
-
-
-class _SwapHook:
-    """Wraps ``swap_model_weights`` in its module and in every module that imported the name.
-
-    Importing the refit module imports the dynamic context, which is when ``MEGATRON_EXT_AUTO``
-    applies the patches: the refit module may then be half-initialized, its function not defined
-    yet. It is wrapped now if it is defined, else when the module finishes importing (a
-    post-import hook, or the next prefix match, whichever comes first).
-    """
-
-    def __init__(self) -> None:
-        self.active = False
-        self.original: Optional[Callable] = None
-        self.wrapper: Optional[Callable] = None
-        self._hooked = False
-        #: Installed but not wrapped yet (the refit module was half-imported at install). A plain
-        #: attribute, kept by the methods below: every prefix match reads it.
-        self.pending = False
-
-    def install(self) -> None:
-        self.active = True
-        self.pending = self.original is None
-        module = sys.modules.get(REFIT_MODULE)
-        if module is None and not self._hooked:
-            # No waiting for another thread's import of the module: apply() holds its lock here,
-            # which that import may need (MEGATRON_EXT_AUTO applies from an import hook). An
-            # import missed that way is caught up by the next prefix match (self.pending).
-            when_imported(REFIT_MODULE, lambda _module: self.wrap_if_ready(), wait=False)
-            self._hooked = True
-        self.wrap_if_ready()
-
-    def wrap_if_ready(self) -> bool:
-        """Wrap the function if it is defined and not wrapped yet; whether it is wrapped now."""
-        if not self.active or self.original is not None:
-            return self.original is not None
-        function = getattr(sys.modules.get(REFIT_MODULE), SWAP, None)
-        if function is None:
-            return False
-        import wrapt
-
-        self.original = function
-        self.wrapper = wrapt.FunctionWrapper(function, _swap_wrapper)
-        self._rebind(function, self.wrapper)
-        self.pending = False
-        return True
-
-    def uninstall(self) -> None:
-        self.active = self.pending = False
-        if self.original is not None:
-            # modules that imported the name after wrapping hold the wrapper too: scan, not a list
-            self._rebind(self.wrapper, self.original)
-        self.original = self.wrapper = None
-
-    @staticmethod
-    def _rebind(old: Callable, new: Callable) -> None:
-        """Every loaded module whose global ``swap_model_weights`` is ``old`` gets ``new``."""
-        for module in list(sys.modules.values()):
-            if getattr(module, "__dict__", {}).get(SWAP) is old:
-                setattr(module, SWAP, new)
-
-
-#: The one hook of the process (the patch instance in ALL_PATCHES installs and removes it).
-SWAP_HOOK = _SwapHook()
