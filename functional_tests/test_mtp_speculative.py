@@ -43,6 +43,10 @@ def test_mtp_speculative_tiny(tmp_path):
     assert (code, report["failures"], report["bit_identical"]) == (0, [], True), output
     assert report["model_features"] == ["mtp", "speculative:2"]
     assert report["speculative_violations"] == 0
+    # the drafts summed over the 3 runs, in the PASS line too; some accepted, so no warning
+    assert report["speculative_drafts"] == {key: 3 * value for key, value in DRAFTS.items()}
+    assert report["warnings"] == []
+    assert "every audit holds; 15 of 600 drafts accepted over 3 runs (" in output
     assert report["blocks_matched"] == 14
     runs = [report["baseline"]] + [p["run"] for p in report["policies"]]
     assert [p["eviction_policy"] for p in report["policies"]] == ["ref_zero", "lru"]

@@ -84,7 +84,7 @@ def test_megatron_model_config_runs_as_an_ab_case(tmp_path, capfd):
         "MODEL_ARGS": {
             "--use-mcore-models": True, "--attention-backend": "flash", "--transformer-impl": "transformer_engine",
             "--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1, "--bf16": True,
-            "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--max-position-embeddings": 256,
+            "--seed": 4321, "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--max-position-embeddings": 256,
             "--inference-max-seq-length": 256, "--top_k": 1, "--return-log-probs": True,
             "--num-tokens-to-generate": 12, "--inference-dynamic-batching-buffer-size-gb": 0.002,
             "--inference-dynamic-batching-block-size": 16, "--inference-dynamic-batching-max-tokens": 64,
@@ -93,7 +93,8 @@ def test_megatron_model_config_runs_as_an_ab_case(tmp_path, capfd):
             "--output-path": "${INFERENCE_OUTPUT_PATH}", "--incoming-requests-per-step": 1,
             "--prompts": ["Time travel to 2008, and go to a bar on the Lower East Side.",
                           "Time travel to 2008, and go to a disco-basement on the Lower East Side."],
-            "--inference-repeat-n": 3, "--some-new-flag": 7},
+            "--inference-repeat-n": 3, "--log-params-norm": True, "--wandb-project": "megatron",
+            "--some-new-flag": 7},
         "METRICS": ["generated_tokens", "logprobs"]}))  # JSON is YAML
     out = tmp_path / "ab.json"
     ab = ["ab", "--case", str(directory / "model_config.yaml"), "--no-progress", "--json", str(out)]
@@ -112,8 +113,10 @@ def test_megatron_model_config_runs_as_an_ab_case(tmp_path, capfd):
     ignored = [line for line in lines if line.startswith("megatron case: ignored ")]
     assert [line.split(":")[1].split()[-1] for line in ignored] == [
         "--use-mcore-models", "--attention-backend", "--transformer-impl", "--return-log-probs",
-        "--inference-dynamic-batching-prefix-caching", "--output-path"]
+        "--inference-dynamic-batching-prefix-caching", "--output-path", "--log-params-norm", "--wandb-project"]
+    assert "weights: seeded random (seed 4321; --load DIR to use a checkpoint)" in lines
     result = json.loads(out.read_text())
+    assert result["weights"] == {"source": "seeded random", "seed": 4321}  # --seed: the model's seed
     assert result["case"] == "gpt_dynamic_inference_tp1_pp1_tiny_prefix_caching_lru"
     assert [p["eviction_policy"] for p in result["policies"]] == ["lru"]
     assert len(result["requests"]) == 6 and result["bit_identical"] and result["failures"] == []

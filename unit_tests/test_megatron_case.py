@@ -324,3 +324,98 @@ def test_mixture_of_experts_arguments_build_the_moe_model(tmp_path):
     assert model.moe_enable_routing_replay is True
     assert model.features == ["moe", "routing_replay"]
     assert ("--moe-aux-loss-coeff", "a training loss (ab builds the router without load balancing: inference)") in mc.ignored
+
+
+#: MODEL_ARGS with the model from the file's flags (no checkpoint): seeded random weights.
+SEEDED_ARGS = {k: v for k, v in MODEL_ARGS.items()
+               if k not in ("--use-checkpoint-args", "--load", "--tokenizer-type", "--tokenizer-model")}
+
+
+def _weights(case):
+    from megatron_ext.cpu_backend import cpu_backend
+    from megatron_ext.harness.engine import build_model, ensure_model_parallel
+    from megatron_ext.harness.weight_updates import weights_sha256
+
+    with cpu_backend():
+        ensure_model_parallel()
+        model = build_model(case)
+    return weights_sha256(model), model.embedding.word_embeddings.weight.detach().clone()
+
+
+def test_seed_builds_the_weights_of_a_case_with_that_seed(tmp_path):
+    """``--seed 4321`` is the model section's ``seed``: the weights equal those of the same case
+    with ``seed: 4321`` and differ from the default seed's (1234, Megatron-LM's default too)."""
+    seeded = load_megatron_case(write(tmp_path, {**SEEDED_ARGS, "--seed": 4321})).case
+    default = load_megatron_case(write(tmp_path, SEEDED_ARGS)).case
+    assert (seeded.model.seed, default.model.seed) == (4321, 1234)
+    assert seeded.model.model_dump() == {**default.model.model_dump(), "seed": 4321}
+    case_yaml = default.model_copy(update={"model": default.model.model_copy(update={"seed": 4321})})
+    (sha_file, emb_file), (sha_case, emb_case), (sha_default, emb_default) = (
+        _weights(seeded), _weights(case_yaml), _weights(default))
+    assert sha_file == sha_case and torch_equal(emb_file, emb_case)
+    assert sha_file != sha_default and not torch_equal(emb_file, emb_default)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+def test_seed_alone_sets_only_the_seed_and_with_checkpoint_args_is_a_note(tmp_path):
+    only_seed = {k: v for k, v in SEEDED_ARGS.items()
+                 if k not in ("--bf16", "--num-layers", "--hidden-size", "--num-attention-heads",
+                              "--max-position-embeddings")}
+    case = load_megatron_case(write(tmp_path, {**only_seed, "--seed": 7})).case
+    assert case.model.model_dump() == {**case.model.__class__().model_dump(), "seed": 7}
+    mc = load_megatron_case(write(tmp_path, {**MODEL_ARGS, "--seed": 7}), environ={"CHECKPOINT_LOAD_PATH": "/c"})
+    assert "model" not in mc.case.model_fields_set
+    assert dict(mc.notes)["--seed"] == ("the weights come from the checkpoint (--use-checkpoint-args); no seeded "
+                                        "weights are built")
+    assert "--seed" not in dict(mc.ignored) and mc.unknown_allowed == []
+
+
+#: Arguments of Megatron-LM's functional-test configs that change neither the model nor the engine.
+STANDARD_ARGS = {
+    "--deterministic-mode": True, "--log-interval": 1, "--log-params-norm": True, "--log-num-zeros-in-grad": True,
+    "--log-validation-ppl-to-tensorboard": True, "--log-timers-to-tensorboard": True,
+    "--log-memory-to-tensorboard": True, "--tiktoken-pattern": "v2", "--tiktoken-num-special-tokens": 1000,
+    "--tensorboard-dir": "${TENSORBOARD_PATH}", "--timing-log-level": 0, "--wandb-project": "megatron",
+    "--wandb-exp-name": "x", "--save": "${CHECKPOINT_SAVE_PATH}", "--save-interval": 1000, "--exit-interval": 1000,
+    "--distributed-backend": "nccl", "--attention-backend": "flash", "--no-gradient-accumulation-fusion": True,
+    "--micro-batch-size": 1, "--global-batch-size": 8, "--lr": 0.0001, "--train-iters": 10,
+}
+
+
+def test_standard_arguments_that_change_neither_model_nor_engine_are_listed_as_ignored(tmp_path):
+    mc = load_megatron_case(write(tmp_path, {**SEEDED_ARGS, **STANDARD_ARGS}))  # unset variables never expanded
+    assert mc.unknown_allowed == []
+    ignored = dict(mc.ignored)
+    assert set(STANDARD_ARGS) <= set(ignored)
+    logging, training = "logging, timers and experiment tracking", ("training only (ab runs no training loop: its "
+                                                                     "weight updates come from the case)")
+    assert {arg: ignored[arg] for arg in STANDARD_ARGS} == {
+        **{arg: logging for arg in STANDARD_ARGS if arg.startswith(("--log-", "--tensorboard-", "--wandb-",
+                                                                     "--timing-"))},
+        **{arg: training for arg in ("--exit-interval", "--no-gradient-accumulation-fusion", "--global-batch-size",
+                                     "--lr", "--train-iters")},
+        "--micro-batch-size": training,
+        "--save": "checkpoint saving (ab saves nothing)", "--save-interval": "checkpoint saving (ab saves nothing)",
+        **{arg: ("tokenizer settings of TikTokenizer: ab loads it with megatron-core's defaults (pattern v2, 1000 "
+                 "special tokens); they change the prompts' token IDs, not the model or the engine")
+           for arg in ("--tiktoken-pattern", "--tiktoken-num-special-tokens")},
+        "--deterministic-mode": "a GPU kernel setting, ab checks batch invariance itself on the CPU",
+        "--distributed-backend": "ab runs CPU ranks over gloo",
+        "--attention-backend": "GPU kernel choice, the CPU backend has one reference attention",
+    }
+    assert len(mc.ignored) == len(ignored)  # each listed once
+
+
+def test_an_unknown_model_changing_argument_is_still_refused(tmp_path):
+    path = write(tmp_path, {**SEEDED_ARGS, **STANDARD_ARGS, "--seed": 4321, "--rotary-scaling-factor": 8})
+    with pytest.raises(CaseFileError) as error:
+        load_megatron_case(path)
+    assert str(error.value) == (
+        f"{path}: not known to megatron-ext: --rotary-scaling-factor; ab cannot tell whether it changes the model or "
+        "the engine, so it would report on a model it may not have built: remove it from a copy of the file, or run "
+        "ab --allow-unknown-args (the verdict then names what it ran without)")

@@ -21,7 +21,8 @@ from ..patches import (MlaAbsorbedWeightsPatch, RoutingEvictedRequestsPatch, Rou
                        TopNPrefillChunksPatch)
 from ..patching import fault_label
 from .audits import FAULT_OF_KIND, pool_blocks
-from .speculative import check_supported as check_speculative
+from .audits.speculative import DraftCounts
+from .speculative import check_supported as check_speculative, is_speculative
 from .cases.planning import PlannedRequest, check_top_n_fits, plan_requests, validate_planned
 from .cases.schema import Case, CaseFileError
 from .checkpoint import CheckpointSource, PathLike, load_checkpoint, resolve_checkpoint
@@ -233,9 +234,19 @@ class ABResult:
         """Lines the report prints before the tables: a case that breaks a rule under which a
         difference is known to occur (:func:`~megatron_ext.harness.hybrid.mamba_state_dtype_warning`,
         whatever the verdict), an MLA case that differs (:func:`~megatron_ext.harness.mla.step_kind_warning`)."""
+        drafts = self.speculative_drafts()
         lines = [mamba_state_dtype_warning(self.case.model) if self.policies else None,
-                 step_kind_warning(self.case, self.bit_identical) if self.policies else None]
+                 step_kind_warning(self.case, self.bit_identical) if self.policies else None,
+                 drafts.none_accepted_warning() if drafts is not None else None]
         return [line for line in lines if line]
+
+    def speculative_drafts(self) -> Optional[DraftCounts]:
+        """Speculative decoding (``inference.num_speculative_tokens > 0``): the speculative audit's
+        draft counts summed over every run (A and each B; each run's own are its ``audit.drafts``);
+        None without speculative decoding."""
+        if not is_speculative(self.case):
+            return None
+        return DraftCounts.total(run.audit.drafts for run in self.runs)
 
     def _mla_update_failures(self) -> list[str]:
         """Fault M1: a weight update that left an MLA layer's decode-only KV up-projection on old weights."""
@@ -272,7 +283,8 @@ class ABResult:
             "stale_hits": self.total("stale_hits"),
             "model_features": self.case.model_features,
             **({} if not self.case.inference.num_speculative_tokens else {
-                "speculative_violations": self.total("speculative_violations")}),
+                "speculative_violations": self.total("speculative_violations"),
+                "speculative_drafts": self.speculative_drafts().as_json()}),
             **({} if not self.case.model.is_hybrid else {
                 "mamba_restores": self.total("mamba_restores"),
                 "mamba_restores_failed": self.total("mamba_restores_failed"),

@@ -4,9 +4,11 @@ Megatron-LM describes each of its inference tests (``tests/functional_tests/test
 gpt_dynamic_inference_*prefix_caching*/model_config.yaml``) as ``MODE``, ``ENV_VARS`` and
 ``MODEL_ARGS``: the command-line arguments of ``gpt_dynamic_inference.py``. ``ab --case
 model_config.yaml`` reads such a file: every argument megatron-ext understands is mapped onto the
-case (inference config, eviction policy, prompts, sampling, model, checkpoint, layout); every other
-one is listed once, as ignored (it changes nothing ``ab`` compares: logging, GPU kernels, output
-paths) or refused (it changes the model or the engine in a way ``ab`` cannot reproduce).
+case (inference config, eviction policy, prompts, sampling, model and its ``--seed``, checkpoint,
+layout); every other one is listed once, as ignored (:data:`IGNORED_GROUPS`: it changes neither the
+model nor the engine: logging, training-only settings, GPU kernels, output paths) or refused (it
+changes the model or the engine in a way ``ab`` cannot reproduce). An argument in none of these
+lists stops the run (``ab`` cannot tell what it changes) unless ``ab --allow-unknown-args``.
 ``${VARIABLES}`` in mapped values are expanded from the environment.
 """
 
@@ -30,54 +32,70 @@ MEGATRON_BLOCK_SIZE_TOKENS = 256
 #: Buffer sizes above this are refused on the CPU: megatron-core allocates the whole KV buffer.
 CPU_BUFFER_LIMIT_GB = 4.0
 
-#: Arguments that change nothing ``ab`` compares, with why.
-IGNORED = {
-    "--inference-dynamic-batching-prefix-caching": "ab always runs prefix caching off (A) and on (B)",
-    "--return-log-probs": "ab always records log-probs",
-    "--use-mcore-models": "megatron-core's GPTModel is what ab builds",
-    "--auto-detect-ckpt-format": "ab reads torch_dist checkpoints only and checks the format",
-    "--no-load-optim": "ab loads model weights only",
-    "--no-use-tokenizer-model-from-checkpoint-args": "ab takes the tokenizer from this file",
-    "--micro-batch-size": "training setting",
-    "--seq-length": "training setting (the engine's limit is --inference-max-seq-length)",
-    "--deterministic-mode": "a GPU kernel setting, ab checks batch invariance itself on the CPU",
-    "--sequence-parallel": "a GPU communication setting; outputs do not depend on it",
-    "--attention-backend": "GPU kernel choice, the CPU backend has one reference attention",
-    "--transformer-impl": "ab builds megatron-core's local layer spec (same parameter names)",
-    "--distributed-backend": "ab runs CPU ranks over gloo",
-    "--max-tokens-to-oom": "a GPU memory guard",
-    "--no-rope-fusion": "ab never fuses RoPE on the CPU",
-    "--no-masked-softmax-fusion": "the CPU backend has no fused softmax",
-    "--dist-ckpt-strictness": "ab's checkpoint load is always strict",
-    "--inference-ckpt-non-strict": "ab's checkpoint load is always strict",
-    "--output-path": "ab writes its own results (--json)",
-    "--inference-logging-step-interval": "logging",
-    "--log-interval": "logging",
-    "--timing-log-level": "logging",
-    "--log-memory-to-tensorboard": "logging",
-    "--log-num-zeros-in-grad": "logging",
-    "--log-validation-ppl-to-tensorboard": "logging",
-    "--log-timers-to-tensorboard": "logging",
-    "--num-workers": "data loading",
-    "--save-interval": "training setting",
-    "--hidden-dropout": "no dropout at inference",
-    "--attention-dropout": "no dropout at inference",
-    "--no-create-attention-mask-in-dataloader": "data loading",
-    "--ckpt-fully-parallel-save": "checkpoint I/O strategy",
-    "--ckpt-fully-parallel-load": "checkpoint I/O strategy",
-    "--ckpt-assume-constant-structure": "checkpoint I/O strategy",
-    "--tiktoken-pattern": "used with --tokenizer-type TikTokenizer only",
-    "--model-provider": "ab builds a hybrid model when the file gives --hybrid-layer-pattern, else a GPT model",
-    "--is-hybrid-model": "ab builds a hybrid model when the file gives --hybrid-layer-pattern",
-    "--moe-aux-loss-coeff": "a training loss (ab builds the router without load balancing: inference)",
-    "--moe-z-loss-coeff": "a training loss (ab builds the router without load balancing: inference)",
-    "--moe-token-dispatcher-type": "how tokens reach the experts on several ranks; ab keeps every expert on every rank",
-    "--inference-dynamic-batching-prefix-caching-coordinator-policy":
-        "ab runs one engine per layout, not data-parallel engines behind a coordinator",
-    "--inference-dynamic-batching-prefix-caching-routing-alpha":
-        "ab runs one engine per layout, not data-parallel engines behind a coordinator",
-    "--mtp-loss-scaling-factor": "training loss weight of the MTP layers",
+#: The one list of Megatron arguments that change neither the model nor the engine (nothing ``ab``
+#: compares): ``{why: arguments}``, one reason per group. An argument ending in ``*`` stands for
+#: every argument that starts with it (``--log-*``: ``--log-interval``, ``--log-params-norm``, ...).
+#: Listed as ignored when a file gives them; any other argument not known to megatron-ext stops a run.
+IGNORED_GROUPS: dict[str, tuple[str, ...]] = {
+    "logging, timers and experiment tracking": (
+        "--log-*", "--tensorboard-*", "--wandb-*", "--timing-log-level", "--timing-log-option", "--logging-level",
+        "--inference-logging-step-interval"),
+    "training only (ab runs no training loop: its weight updates come from the case)": (
+        "--micro-batch-size", "--global-batch-size", "--train-iters", "--train-samples", "--eval-iters",
+        "--eval-interval", "--exit-*", "--lr", "--min-lr", "--lr-*", "--weight-decay", "--clip-grad",
+        "--adam-beta1", "--adam-beta2", "--adam-eps", "--optimizer", "--use-distributed-optimizer",
+        "--overlap-grad-reduce", "--overlap-param-gather", "--no-gradient-accumulation-fusion",
+        "--check-for-nan-in-loss-and-grad", "--manual-gc", "--manual-gc-interval"),
+    "training setting (the engine's limit is --inference-max-seq-length)": ("--seq-length",),
+    "checkpoint saving (ab saves nothing)": ("--save", "--save-*", "--async-save"),
+    "checkpoint I/O strategy": ("--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+                                "--ckpt-assume-constant-structure"),
+    "data loading (ab takes the prompts from this file)": (
+        "--num-workers", "--no-create-attention-mask-in-dataloader", "--data-path", "--data-cache-path", "--split",
+        "--mock-data"),
+    "tokenizer settings of TikTokenizer: ab loads it with megatron-core's defaults (pattern v2, 1000 special "
+    "tokens); they change the prompts' token IDs, not the model or the engine": ("--tiktoken-*",),
+    "ab always runs prefix caching off (A) and on (B)": ("--inference-dynamic-batching-prefix-caching",),
+    "ab always records log-probs": ("--return-log-probs",),
+    "megatron-core's GPTModel is what ab builds": ("--use-mcore-models",),
+    "ab reads torch_dist checkpoints only and checks the format": ("--auto-detect-ckpt-format",),
+    "ab loads model weights only": ("--no-load-optim",),
+    "ab takes the tokenizer from this file": ("--no-use-tokenizer-model-from-checkpoint-args",),
+    "a GPU kernel setting, ab checks batch invariance itself on the CPU": ("--deterministic-mode",),
+    "a GPU communication setting; outputs do not depend on it": ("--sequence-parallel",),
+    "GPU kernel choice, the CPU backend has one reference attention": ("--attention-backend",),
+    "ab builds megatron-core's local layer spec (same parameter names)": ("--transformer-impl",),
+    "ab runs CPU ranks over gloo": ("--distributed-backend", "--distributed-timeout-minutes"),
+    "a GPU memory guard": ("--max-tokens-to-oom",),
+    "ab never fuses RoPE on the CPU": ("--no-rope-fusion",),
+    "the CPU backend has no fused softmax": ("--no-masked-softmax-fusion",),
+    "ab's checkpoint load is always strict": ("--dist-ckpt-strictness", "--inference-ckpt-non-strict"),
+    "ab writes its own results (--json)": ("--output-path",),
+    "no dropout at inference": ("--hidden-dropout", "--attention-dropout"),
+    "ab builds a hybrid model when the file gives --hybrid-layer-pattern, else a GPT model": ("--model-provider",),
+    "ab builds a hybrid model when the file gives --hybrid-layer-pattern": ("--is-hybrid-model",),
+    "a training loss (ab builds the router without load balancing: inference)": (
+        "--moe-aux-loss-coeff", "--moe-z-loss-coeff"),
+    "how tokens reach the experts on several ranks; ab keeps every expert on every rank": (
+        "--moe-token-dispatcher-type",),
+    "ab runs one engine per layout, not data-parallel engines behind a coordinator": (
+        "--inference-dynamic-batching-prefix-caching-coordinator-policy",
+        "--inference-dynamic-batching-prefix-caching-routing-alpha"),
+    "training loss weight of the MTP layers": ("--mtp-loss-scaling-factor",),
 }
+
+#: Ignored arguments by name -> why (from :data:`IGNORED_GROUPS`).
+IGNORED = {arg: why for why, args in IGNORED_GROUPS.items() for arg in args if not arg.endswith("*")}
+#: Ignored arguments by prefix -> why (from :data:`IGNORED_GROUPS`).
+IGNORED_PREFIXES = {arg[:-1]: why for why, args in IGNORED_GROUPS.items() for arg in args if arg.endswith("*")}
+
+
+def ignored_why(arg: str) -> Optional[str]:
+    """Why ``arg`` changes nothing ``ab`` compares (:data:`IGNORED_GROUPS`), or None if it is not listed."""
+    if arg in IGNORED:
+        return IGNORED[arg]
+    return next((why for prefix, why in IGNORED_PREFIXES.items() if arg.startswith(prefix)), None)
+
 
 #: Argument prefixes and arguments that change the model or engine beyond what ab reproduces.
 REFUSED_PREFIXES = {
@@ -245,7 +263,7 @@ def _refusal(arg: str, args: dict[str, Any]) -> Optional[str]:
         return _spec_refusal(args)
     if arg in REFUSED:
         return REFUSED[arg]
-    if arg in MODEL_FIELDS or arg in IGNORED:  # read or known harmless, even under a refused prefix
+    if arg in MODEL_FIELDS or ignored_why(arg) is not None:  # read or known harmless, even under a refused prefix
         return None
     return next((why for prefix, why in REFUSED_PREFIXES.items() if arg.startswith(prefix)), None)
 
@@ -296,11 +314,12 @@ class _ArgReader:
 
     def ignored(self) -> list[tuple[str, str]]:
         """``(argument, why)`` of the arguments left unread that are known to change nothing ab compares."""
-        return [(arg, self.skipped.get(arg) or IGNORED[arg]) for arg in self._unread() if arg in self.skipped or arg in IGNORED]
+        return [(arg, self.skipped.get(arg) or ignored_why(arg)) for arg in self._unread()
+                if arg in self.skipped or ignored_why(arg) is not None]
 
     def unknown(self) -> list[str]:
         """The arguments left unread that megatron-ext knows nothing about."""
-        return [arg for arg in self._unread() if arg not in self.skipped and arg not in IGNORED]
+        return [arg for arg in self._unread() if arg not in self.skipped and ignored_why(arg) is None]
 
     def _unread(self) -> list[str]:
         return [arg for arg in self.args if arg not in self.used]
@@ -353,6 +372,12 @@ def _build(path: Path, args: _ArgReader, device: str) -> MegatronCase:
         if value is not None}
     use_checkpoint_args = args.get("--use-checkpoint-args", _flag, False)
     model = _model(args)
+    seed = args.get("--seed", int)
+    if seed is not None and not use_checkpoint_args:
+        model["seed"] = seed  # after _model's Megatron defaults: a file that gives only --seed changes only the seed
+    elif seed is not None:
+        notes.append(("--seed", "the weights come from the checkpoint (--use-checkpoint-args); no seeded weights "
+                                "are built"))
     fields: dict[str, Any] = {
         "name": path.parent.name or path.stem,
         "description": f"Megatron functional-test case {path}",

@@ -55,11 +55,13 @@ def summary_table(result: ABResult) -> Table:
     updates = result.case.weight_updates is not None
     hybrid = result.case.model.is_hybrid
     routing = "routing_replay" in result.case.model.features
+    speculative = result.speculative_drafts() is not None
     for column in ("run", "steps", "seconds", "cache hits", "blocks matched", "prefill tokens skipped",
                    "prefill tokens computed", "KV writes checked", "KV write violations",
                    *(("KV writes redirected", "Mamba restores (failed)", "Mamba restore violations") * hybrid),
                    "ref-count violations", "LRU violations", *(("stale hits",) * updates),
-                   *(("routing positions checked", "routing replay violations") * routing)):
+                   *(("routing positions checked", "routing replay violations") * routing),
+                   *(("drafts proposed", "drafts accepted", "speculative violations") * speculative)):
         table.add_column(column, justify="right" if column != "run" else "left")
     for run in result.runs:
         counters, audit = run.counters, run.audit
@@ -77,6 +79,8 @@ def summary_table(result: ABResult) -> Table:
             _count(audit.lru_violations) if run.prefix_caching else "n/a",
             *stale,
             *((str(audit.routing_tokens_checked), _count(audit.routing_replay_violations)) * routing),
+            *((str(audit.drafts.proposed), str(audit.drafts.accepted), _count(audit.speculative_violations))
+              * speculative),
         )
     return table
 
@@ -233,11 +237,14 @@ def print_report(result: ABResult, console: Console, only_divergent: bool = Fals
             f"{total - left_out} of {total} requests ({left_out} left out: updated at another token)")
         trained = "" if result.trainer_logprobs is None else f"; {result.trainer_logprobs.pass_clause()}"
         reference = "" if result.post_update_reference is None else f"; {result.post_update_reference.pass_clause()}"
+        drafts = result.speculative_drafts()
+        drafted = "" if drafts is None else (f"; {drafts.clause()} over {len(result.runs)} runs"
+                                             + ("" if drafts.accepted else " (none accepted: see the warning)"))
         unknown = "" if not result.unknown_args_allowed else (
             f"; for the model built without {escape(', '.join(result.unknown_args_allowed))} (not known to megatron-ext, "
             "--allow-unknown-args)")
         console.print(f"[bold green]PASS[/]: {counted} bit-identical with "
-                      f"prefix caching on and off{weights}{trained}; every audit holds{reference}{unknown} ({result.wall_s:.1f} s)",
+                      f"prefix caching on and off{weights}{trained}; every audit holds{drafted}{reference}{unknown} ({result.wall_s:.1f} s)",
                       soft_wrap=True)
 
 

@@ -22,12 +22,12 @@ word list (the byte tokenizer maps one character to one token).
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 from pydantic import ValidationError
 
+from .audits.speculative import DraftCounts
 from .cases import load_case
 from .cases.schema import (Case, CaseFileError, Expectations, InferenceSpec, ModelSpec, RequestSpec,
                            WeightUpdateSpec, describe_validation_error, turn_prompts)
@@ -448,7 +448,7 @@ def _model_figures(case: Case, audit: Any) -> dict[str, Any]:
         figures.update(kv_writes_checked=audit.kv_writes_checked, kv_writes_redirected=audit.kv_writes_redirected)
     if case.inference.num_speculative_tokens:
         kinds = audit.violations_by_kind
-        figures.update(drafts=dataclasses.asdict(audit.drafts), draft_block_violations=kinds.get("draft_block", 0),
+        figures.update(drafts=audit.drafts.as_json(), draft_block_violations=kinds.get("draft_block", 0),
                        spec_rewind_violations=kinds.get("spec_rewind", 0))
     return figures
 
@@ -469,7 +469,7 @@ def soak_lines(summary: dict[str, Any]) -> list[str]:
            if "block_routing_max_entries" in run else "")
         + (f", {run['kv_writes_redirected']} of {run['kv_writes_checked']} latent writes sent to the dummy block"
            if "kv_writes_checked" in run else "")
-        + (f", drafts {run['drafts']['accepted']}/{run['drafts']['proposed']} accepted, "
+        + (f", {DraftCounts(**run['drafts']).clause()}, "
            f"{run['drafts']['rejected_across_block']} rejections across a block boundary, "
            f"{run['draft_block_violations']} registered blocks holding drafts, "
            f"{run['spec_rewind_violations']} rollbacks leaving the bookkeeping broken"

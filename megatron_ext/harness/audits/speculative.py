@@ -26,8 +26,8 @@ LRU are checked every step by the other audits, speculation or not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Iterable, Optional
 
 from .base import AuditLog, Violation
 
@@ -52,6 +52,33 @@ class DraftCounts:
     rejected: int = 0
     rejected_across_block: int = 0
     accepted_across_block: int = 0
+
+    def as_json(self) -> dict[str, int]:
+        """``{proposed, accepted, rejected, rejected_across_block, accepted_across_block}``: what
+        ``ab --json`` (per run and summed) and ``soak`` report."""
+        return asdict(self)
+
+    @classmethod
+    def total(cls, counts: Iterable["DraftCounts"]) -> "DraftCounts":
+        """Every figure summed over ``counts`` (e.g. over the runs of one ``ab``)."""
+        out = cls()
+        for c in counts:
+            for f in fields(cls):
+                setattr(out, f.name, getattr(out, f.name) + getattr(c, f.name))
+        return out
+
+    def clause(self) -> str:
+        """``"5 of 200 drafts accepted"``."""
+        return f"{self.accepted} of {self.proposed} draft{'' if self.proposed == 1 else 's'} accepted"
+
+    def none_accepted_warning(self) -> Optional[str]:
+        """The report's warning when no draft was accepted (None otherwise): the audit then never
+        saw accepted KV in a block the drafts opened, nor a rollback after an acceptance."""
+        if self.accepted:
+            return None
+        return (f"{self.clause()}: a run that accepts no draft proves little about draft blocks (no accepted "
+                "draft's KV kept, no rollback after an acceptance); try weights whose drafts the model samples "
+                "more often (another seed, or a trained checkpoint)")
 
 
 @dataclass
