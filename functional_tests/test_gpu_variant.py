@@ -314,7 +314,7 @@ def test_cuda_graph_decode_after_a_weight_update(model_kind, request):
     ``train(True)`` marks it so); the eager warmup before each capture fills it, the captured decode
     graphs read its storage, and a replay runs no Python, so the fix must refill that storage in
     place by ``resume()`` (megatron-ext's ``mamba-decode-a-cache``). Where the installed mixer has
-    the cache and ``apply()`` has no such patch (this checkout predates it), the test is expected
+    the cache and ``apply()`` did not apply that patch (skipped, or refused), the test is expected
     to fail (strict xfail): passing there would mean H11 does not show on the GPU. Hybrid only
     where ``mamba_ssm`` / ``causal_conv1d`` are installed; megatron-core's TE hybrid spec, not
     megatron-ext's local CPU spec."""
@@ -342,7 +342,7 @@ def test_cuda_graph_decode_after_a_weight_update(model_kind, request):
         request.applymarker(pytest.mark.xfail(
             strict=True, raises=AssertionError,
             reason="fault H11 unpatched: MambaMixer has the decode cache of -exp(A_log) and megatron_ext.apply() "
-                   "has no mamba-decode-a-cache patch on this checkout"))
+                   "did not apply mamba-decode-a-cache"))
     suspect = ("Mamba's decode cache of -exp(A_log) (MambaMixer._A_neg_exp_cache, fault H11, patch "
                "mamba-decode-a-cache; the CUDA graphs replay its storage)" if model_kind == "hybrid"
                else "a weight copy read by the captured CUDA graphs")
