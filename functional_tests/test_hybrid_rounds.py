@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext import mcore
+
 #: As in unit_tests/conftest.py: run against the released code, without the runtime patches.
 UNPATCHED = os.environ.get("MEGATRON_EXT_TEST_UNPATCHED", "") == "1"
 
@@ -86,7 +88,8 @@ print("RESULT " + json.dumps({
                 for p in result.policies},
     "stale_hits": {p.policy: p.run.audit.stale_hits for p in result.policies},
     "updates": [[u.step, u.in_flight, u.invalidation] for u in result.runs[-1].updates],
-    "restores": restores, "wall_s": result.wall_s}))
+    "restores": restores, "wall_s": result.wall_s,
+    "reference": result.as_json()["post_update_reference"]}))
 """
 
 
@@ -119,3 +122,31 @@ def test_weight_update_drops_mamba_snapshots_of_the_old_weights():
     # after the update (weight version 1), one restore per policy
     assert result["matched"] == {"ref_zero": [4, 64], "lru": [4, 64]}
     assert result["restores"] == [[1, 1], [1, 1]]
+    # r1 and r2 (round 1: 4 + 3 tokens) equal a fresh model and engine on the updated weights
+    reference = result["reference"]
+    assert (reference["checked"], reference["passed"], reference["weight_versions"]) == (True, True, 2)
+    assert [(r["requests_compared"], r["tokens_compared"], r["left_out_in_flight_across_an_update"],
+             r["max_abs_diff"]) for r in reference["runs"]] == [(2, 7, 1, 0.0)] * 3
+
+
+@pytest.mark.slow
+def test_without_the_mamba_decode_cache_patch_decode_steps_after_the_update_run_the_old_a(monkeypatch):
+    """Fault H11 (0.18+), seen only by the post-update reference: caching on and off carry the same
+    stale ``-exp(A_log)`` and agree; round 1's decode steps (from each request's second token) differ
+    from a fresh engine on the updated weights. 0.17 has no such cache: it passes."""
+    monkeypatch.setenv("MEGATRON_EXT_SKIP", "mamba-decode-a-cache")
+    result = run_rounds(patched=True)
+    assert result["differ"] == {"ref_zero": [], "lru": []}
+    reference = result["reference"]
+    if mcore.release_series(mcore.installed_version()) == "0.17":
+        assert (reference["passed"], result["failures"]) == (True, [])
+        return
+    assert reference["passed"] is False
+    for run in reference["runs"]:
+        assert run["requests_differing"] == ["r1.s0", "r2.s0"]
+        first = run["first_difference"]
+        assert (first["version"], first["request"], first["token"]) == (1, "r1.s0", 1)
+        assert first["engine"][0] == first["reference"][0]  # the same token, other log-prob bits
+    [line] = result["failures"]
+    assert line.startswith("post-update reference: 2 requests differ from a fresh model and engine on the weights "
+                           "they ran under, in 3 of 3 runs")

@@ -164,6 +164,24 @@ def test_older_release_is_patched_to_the_newest_releases_code(version, tmp_path)
 
 @pytest.mark.slow
 @needs_release
+def test_source_patched_mamba_decode_cache_follows_a_refit(tmp_path):
+    """Fault H11 on the newest release's source-patched tree, without runtime patches: after every
+    weight is updated through ``.data`` inside suspend/resume, and after an in-place restore under a
+    new engine, round 2 is a fresh engine's bits (0.17 has no such cache: the same holds)."""
+    tree = patched_tree(RELEASES[-1], tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_EXT_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(tree), str(REPO)]), TRITON_INTERPRET="1", MAMBA_DETERMINISTIC="1")
+    done = subprocess.run([sys.executable, "-W", "ignore", "scripts/probes/mamba_decode_a_cache.py", "unpatched",
+                           "add", "new_engine"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    probe = json.loads(lines[-1][len("PROBE "):])
+    for path in ("add", "new_engine"):
+        assert (probe[path]["same"], probe[path]["max_abs_dlogprob"]) == (True, 0.0), path
+
+
+@pytest.mark.slow
+@needs_release
 @pytest.mark.every_tree
 def test_default_ab_case_passes_on_source_patched_tree(tmp_path):
     # The newest release of the series: its target files are identical to the older one's.
