@@ -120,6 +120,13 @@ class MambaDecodeACachePatch(Patch):
     def wrappers(self) -> dict[Target, Callable]:
         return {DECODE_A: _decode_a_wrapper, RESUME: _signal_after, NEW_CONTEXT: _signal_after}
 
+    def needed(self) -> tuple[bool, str]:
+        """Code without the decode cache (0.17) has no fault; otherwise the source-patched check."""
+        mixer = mcore.import_module(MAMBA_MIXER_MODULE).MambaMixer
+        if not hasattr(mixer, "_get_decode_A_neg_exp"):
+            return False, "MambaMixer has no decode cache of -exp(A_log) (_get_decode_A_neg_exp absent, as in 0.17)"
+        return super().needed()
+
     def checked_functions(self) -> tuple[Target, ...]:
         """The decode function and ``train`` (the cache's only other writer). The context methods
         are signals only, whatever their code: a change there is no reason to refuse."""
