@@ -21,7 +21,7 @@ from megatron_ext.harness.checkpoint import save_checkpoint
 from megatron_ext.harness.engine import build_model, ensure_model_parallel
 from megatron_ext.harness.recorded import compare_recorded, pair_runs
 from megatron_ext.harness.report import spanning_versions
-from megatron_ext.harness.soak import soak_case
+from megatron_ext.harness.soak import soak_case, soak_lines, soak_summary
 from megatron_ext.harness.weight_updates import weights_sha256
 
 #: A perturbation at step 7 without suspend/resume: request r0 (alone at step 0) is still decoding
@@ -191,6 +191,13 @@ def test_soak_update_every_passes_patched_leaving_out_requests_updated_at_other_
     left_out = result.left_out(result.policies[0])
     differ = [d.request_id for d in result.policies[0].diffs if not d.identical]
     assert len(left_out) == expected["left_out"] and set(differ) <= set(left_out)  # the other 30: bit-identical
+    # every request not in flight across an update equals fresh engines on its weights (3 versions)
+    summary = soak_summary(result)
+    reference = summary["post_update_reference"]
+    assert (reference["passed"], reference["weight_versions"]) == (True, 3)
+    assert all(r["requests_compared"] + r["left_out_in_flight_across_an_update"] == 40 for r in reference["runs"])
+    assert soak_lines(summary)[-1].startswith("soak post-update reference: ")
+    assert soak_lines(summary)[-1].endswith(" weight versions, 0 differing, max |Δ log-prob| 0")
 
 
 @pytest.mark.slow
