@@ -22,6 +22,7 @@ from .release_refcount import ReleaseRefcountPatch
 from .routing_evicted_requests import RoutingEvictedRequestsPatch
 from .routing_finished_blocks import RoutingFinishedBlocksPatch
 from .routing_per_block import RoutingPerBlockPatch
+from .spec_block_ids_after_eviction import SpecBlockIdsAfterEvictionPatch
 from .weight_update_invalidation import WeightUpdateInvalidationPatch
 from .top_n_prefill_chunks import TopNPrefillChunksPatch
 
@@ -50,4 +51,5 @@ ALL_PATCHES: tuple[Patch, ...] = (
     MambaContinuationSkipPatch(),
     MambaAlignedChunksPatch(),
     MambaDecodeNoDummyPatch(),
+    SpecBlockIdsAfterEvictionPatch(),
 )
