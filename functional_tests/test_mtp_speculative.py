@@ -125,3 +125,44 @@ def test_mtp_rounds_with_train_steps_and_trainer_logprobs(tmp_path):
             for name, run in report["trainer_logprobs"].items()} == {
         name: (TRAINER_TOKENS[SERIES], TRAINER_TOKENS[SERIES], 24)
         for name in ("A: caching off", "B: caching on, ref_zero", "B: caching on, lru")}
+
+
+def evict_resume_outputs(report: dict) -> list[dict]:
+    """Each run's outputs (caching off, ref_zero, lru): request ID -> (tokens, log-probs)."""
+    runs = [report["baseline"]] + [p["run"] for p in report["policies"]]
+    return [{rid: (o["tokens"], o["log_probs"]) for rid, o in run["outputs"].items()} for run in runs]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SERIES != "0.19", reason="2 drafts from 1 repeated MTP layer run on 0.19 only (refused "
+                                              "on 0.17 / 0.18: test_mtp_speculative_tiny checks that)")
+def test_mtp_evict_resume_fault_s1(tmp_path):
+    """``mtp_evict_resume`` (fault S1): a request resumes across a block boundary while another is
+    evicted in one update_requests. Patched: every audit clean, bit-identical, each run's tokens
+    and log-probs equal to the same case without speculation, bit for bit. With S1's patch skipped
+    the KV-write audit flags the resumed request's writes into the evicted request's block (one per
+    run) and the resumed request's log-probs differ between caching off and on."""
+    code, output, out = run_cli(tmp_path, "ab", "--case", "mtp_evict_resume")
+    report = json.loads(out.read_text())
+    assert (code, report["failures"], report["bit_identical"]) == (0, [], True), output
+    for run in [report["baseline"]] + [p["run"] for p in report["policies"]]:
+        assert (run["audit"]["kv_write_violations"], run["audit"]["speculative_violations"]) == (0, 0)
+        assert (run["pressure"]["total_blocks"], run["pressure"]["requests_evicted"]) == (4, 1)
+    plain = tmp_path / "plain.yaml"  # the same case without speculation: what greedy drafts must not change
+    plain.write_text((REPO / "megatron_ext/harness/cases/mtp_evict_resume.yaml").read_text()
+                     .replace("num_speculative_tokens: 2", "num_speculative_tokens: 0"))
+    (tmp_path / "plain").mkdir()
+    code, output, plain_out = run_cli(tmp_path / "plain", "ab", "--case", str(plain))
+    assert code == 0, output
+    assert evict_resume_outputs(report) == evict_resume_outputs(json.loads(plain_out.read_text()))
+
+    skip = subprocess.run([sys.executable, "-m", "megatron_ext", "ab", "--case", "mtp_evict_resume", "--json",
+                           str(tmp_path / "skip.json")], cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "MEGATRON_EXT_SKIP": "spec-block-ids-after-eviction"})
+    skipped = json.loads((tmp_path / "skip.json").read_text())
+    assert skip.returncode == 1, skip.stdout[-3000:] + skip.stderr[-3000:]
+    assert skipped["failures"][0] == ("fault S1 (spec-block-ids-after-eviction): 3 KV writes into blocks not in "
+                                      "the writer's block table")
+    for run in [skipped["baseline"]] + [p["run"] for p in skipped["policies"]]:
+        assert run["audit"]["examples"] == {"kv_write_foreign": ["step 1: request 1 wrote KV into block 3, not in "
+                                                                 "its block table"]}

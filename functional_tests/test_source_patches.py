@@ -92,7 +92,8 @@ FIX_TESTS = ("unit_tests/test_release_refcount.py", "unit_tests/test_matched_blo
              "unit_tests/test_mamba_aligned_chunks.py", "unit_tests/test_mamba_decode_no_dummy.py",
              "unit_tests/test_mamba_decode_a_cache.py",
              "unit_tests/test_routing_per_block.py", "unit_tests/test_routing_evicted_requests.py",
-             "unit_tests/test_mla_decode_flag.py", "unit_tests/test_mla_absorbed_weights.py")
+             "unit_tests/test_mla_decode_flag.py", "unit_tests/test_mla_absorbed_weights.py",
+             "unit_tests/test_spec_block_ids_after_eviction.py")
 
 #: Files the source patches change that differ between an older release of a series and the newest
 #: one after patching, with the fix tests of that code (run on the older tree too); every other
@@ -136,7 +137,7 @@ def test_source_patched_tree_needs_no_runtime_patch(version, tmp_path):
             "mamba-continuation-skip", "mamba-aligned-chunks", "mamba-decode-no-dummy",
             "mamba-decode-a-cache",
             "routing-per-block", "routing-finished-blocks", "routing-evicted-requests",
-            "mla-decode-flag", "mla-absorbed-weights")}
+            "mla-decode-flag", "mla-absorbed-weights", "spec-block-ids-after-eviction")}
 
 
 @pytest.mark.slow

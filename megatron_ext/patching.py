@@ -278,9 +278,9 @@ class Patch(ABC):
         name: short name used in status output and in the ``MEGATRON_EXT_SKIP`` variable; the
             class is named after it (``lru-leaf-first-eviction``: ``LruLeafFirstEvictionPatch``).
         fault: the ID of the fault it fixes, as the README's table of faults numbers them: ``"1"``
-            to ``"9"`` for prefix caching, ``"H1"`` to ``"H11"`` for hybrid models, ``"R1"`` to
-            ``"R3"`` for MoE routing replay, ``"M1"`` and ``"M2"`` for multi-latent attention
-            (:func:`fault_label` spells it in audits and failure messages).
+            to ``"9"`` for prefix caching, ``"H1"`` to ``"H11"`` for hybrid models, ``"M1"``,
+            ``"M2"`` for MLA, ``"R1"`` to ``"R3"`` for MoE routing replay, ``"S1"`` for speculative
+            decoding (:func:`fault_label` spells it in audits and failure messages).
         faulty_fingerprints: known tree -> {``Class.method``: fingerprint} of every target and
             every function the wrapper relies on (:meth:`checked_functions`), in each tree that has
             the fault (a PyPI release or a Megatron-LM commit,

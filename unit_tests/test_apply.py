@@ -40,6 +40,7 @@ _FAULTS_017_018 = {
     "weight-update-invalidation": "applicable",
     "top-n-prefill-chunks": "applicable",
     "deregister-own-hash": "applicable",
+    "spec-block-ids-after-eviction": "applicable",
 }
 EXPECTED_STATUS = {
     "0.17": {**_FAULTS_017_018, "mamba-chunk-size": "applicable", "mamba-snapshot-offsets": "applicable",
@@ -79,6 +80,7 @@ EXPECTED_STATUS = {
         "routing-finished-blocks": "applicable",
         "routing-evicted-requests": "applicable",
         "mla-decode-flag": "applicable", "mla-absorbed-weights": "applicable",
+        "spec-block-ids-after-eviction": "applicable",
     },
 }
 # Megatron-LM main (2a75ac12c5, "0.20.0"): 0.19's, less the faults main fixed (5, 6: #5995; H6: #6091;
@@ -436,6 +438,7 @@ FAULT_IDS = {
     "mamba-decode-a-cache": "H11",
     "routing-per-block": "R1", "routing-finished-blocks": "R2",
     "routing-evicted-requests": "R3", "mla-decode-flag": "M2", "mla-absorbed-weights": "M1",
+    "spec-block-ids-after-eviction": "S1",
 }
 
 

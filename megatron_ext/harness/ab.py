@@ -168,10 +168,11 @@ class ABResult:
         problems = []
         if not self.invariance[0]:
             problems.append(f"the platform is not batch-invariant: {self.invariance[1]}")
-        if self.total("kv_write_violations"):
-            problems.append(
-                f"{FAULT_OF_KIND['kv_write']}: {self.total('kv_write_violations')} KV writes "
-                "into blocks obtained by a hash match")
+        for kind, what in (("kv_write", "KV writes into blocks obtained by a hash match"),
+                           ("kv_write_foreign", "KV writes into blocks not in the writer's block table")):
+            count = sum(run.audit.violations_by_kind.get(kind, 0) for run in self.runs)
+            if count:
+                problems.append(f"{FAULT_OF_KIND[kind]}: {count} {what}")
         if self.total("refcount_violations"):
             problems.append(
                 f"{FAULT_OF_KIND['ref_count']}: {self.total('refcount_violations')} ref-count / "

@@ -26,10 +26,11 @@ def small_prefix_caching_context(
     max_tokens: int,
     max_sequence_length: int,
     prefix_caching: bool = True,
+    num_speculative_tokens: int = 0,
 ) -> Any:
     """A ``DynamicInferenceContext`` for add_request-level work (tests, benchmarks): 2 layers,
     4 heads of 16 channels, fp32 KV cache, prefix caching (unless ``prefix_caching=False``) and
-    chunked prefill on.
+    chunked prefill on; ``num_speculative_tokens`` draft tokens per decode step (0: none).
 
     ``policy`` is ``"REF_ZERO"`` or ``"LRU"``; ``buffer_size_gb`` is the KV buffer in GiB.
     On a CPU machine call it inside ``megatron_ext.cpu_backend.cuda_on_cpu()``.
@@ -47,6 +48,7 @@ def small_prefix_caching_context(
         max_requests=max_requests, max_tokens=max_tokens, max_sequence_length=max_sequence_length,
         enable_prefix_caching=prefix_caching, enable_chunked_prefill=True,
         prefix_caching_eviction_policy=getattr(config.PrefixCachingEvictionPolicy, policy),
+        **({"num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else {}),
     )
     return dynamic_context.DynamicInferenceContext(model_config, inference)
 

@@ -23,6 +23,7 @@ from .release_refcount import ReleaseRefcountPatch
 from .routing_evicted_requests import RoutingEvictedRequestsPatch
 from .routing_finished_blocks import RoutingFinishedBlocksPatch
 from .routing_per_block import RoutingPerBlockPatch
+from .spec_block_ids_after_eviction import SpecBlockIdsAfterEvictionPatch
 from .weight_update_invalidation import WeightUpdateInvalidationPatch
 from .top_n_prefill_chunks import TopNPrefillChunksPatch
 
@@ -52,4 +53,5 @@ ALL_PATCHES: tuple[Patch, ...] = (
     MambaAlignedChunksPatch(),
     MambaDecodeNoDummyPatch(),
     MambaDecodeACachePatch(),
+    SpecBlockIdsAfterEvictionPatch(),
 )

@@ -9,7 +9,7 @@ from typing import Any
 
 from ...patches import (LruLeafFirstEvictionPatch, LruPinBeforeAllocatePatch, LruRegisterOncePatch,
                         MambaClampRestorePatch, MatchedBlockWritesPatch, ReleaseRefcountPatch,
-                        RoutingFinishedBlocksPatch, WeightUpdateInvalidationPatch)
+                        RoutingFinishedBlocksPatch, SpecBlockIdsAfterEvictionPatch, WeightUpdateInvalidationPatch)
 from ...patching import fault_label
 
 
@@ -18,13 +18,14 @@ class Violation:
     """One broken invariant.
 
     Attributes:
-        kind: ``kv_write``, ``ref_count``, ``free_pool``, ``drain``, ``block_table``,
+        kind: ``kv_write`` (into a block the writer matched), ``kv_write_foreign`` (into a block
+            not in the writer's block table), ``ref_count``, ``free_pool``, ``drain``, ``block_table``,
             ``prefix_chain``, ``child_count``, ``stale_hit``, ``mamba_restore``, ``routing_missing`` (a
             finished MoE request got no routing, fault R2; see :data:`FAULT_OF_KIND`) or ``routing_replay``
             (replayed expert IDs stale, wrong or of other tokens; no patch, so not in :data:`FAULT_OF_KIND`).
         step: engine step (0-based) at which it was seen.
         block: the KV block ID concerned (-1: none, a ``mamba_restore`` skip with no restore attempt).
-        request_id: the request concerned (``kv_write``, ``block_table``, ``stale_hit`` and
+        request_id: the request concerned (``kv_write``, ``kv_write_foreign``, ``block_table``, ``stale_hit`` and
             ``mamba_restore``), else -1.
         detail: one human sentence.
     """
@@ -39,6 +40,7 @@ class Violation:
 #: Violation kind -> the patch whose fault it shows.
 PATCH_OF_KIND = {
     "kv_write": MatchedBlockWritesPatch,
+    "kv_write_foreign": SpecBlockIdsAfterEvictionPatch,
     "ref_count": ReleaseRefcountPatch, "free_pool": ReleaseRefcountPatch, "drain": ReleaseRefcountPatch,
     "block_table": LruPinBeforeAllocatePatch,
     "prefix_chain": LruLeafFirstEvictionPatch,

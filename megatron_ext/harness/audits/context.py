@@ -309,7 +309,7 @@ class ContextAudit:
         for v in self.violations:
             first.setdefault(v.kind, []).append(f"step {v.step}: {v.detail}")
         return AuditSummary(
-            kv_write_violations=self.count("kv_write"),
+            kv_write_violations=self.count("kv_write", "kv_write_foreign"),
             refcount_violations=self.count("ref_count", "free_pool", "drain"),
             lru_violations=self.count("block_table", "prefix_chain", "child_count"),
             stale_hits=self.count("stale_hit"),

@@ -1,10 +1,14 @@
-"""KV write audit (fault 2): no KV write lands in a block the writing request did not allocate.
+"""KV write audit (faults 2 and S1): no KV write lands in a block the writing request did not allocate.
 
 Every KV append is checked, token by token, against the writing request's own blocks. A
 request's own blocks are those in its block table that it did not get from a hash match; the
 audit learns which ones were matched by watching each ``add_request`` call and the allocator
 calls made inside it (new block-table entries that were not freshly allocated are matched). A
-write is legal if it lands in an own block or in the dummy block.
+write is legal if it lands in an own block or in the dummy block. A write into a block the writer
+obtained by a hash match is a ``kv_write`` violation (fault 2); one into a block not in its block
+table at all (another request's, or a free or cached one) is a ``kv_write_foreign`` violation: with
+speculative decoding, fault S1 (an eviction reorders the rows ``update_requests`` reads a resumed
+request's previous block from).
 """
 
 from __future__ import annotations
@@ -73,10 +77,10 @@ class KVWriteAudit:
                 own_blocks[row] = self._own_blocks(row)
             if block not in own_blocks[row]:
                 request_id = int(ctx.request_ids[row])
-                why = "obtained by hash match" if block in self.matched_blocks.get(request_id, ()) \
-                    else "not in its block table"
-                self.log.add(Violation("kv_write", self.log.step, block, request_id,
-                                       f"request {request_id} wrote KV into block {block}, {why}"))
+                matched = block in self.matched_blocks.get(request_id, ())
+                why = "obtained by hash match" if matched else "not in its block table"
+                self.log.add(Violation("kv_write" if matched else "kv_write_foreign", self.log.step, block,
+                                       request_id, f"request {request_id} wrote KV into block {block}, {why}"))
 
     def _own_blocks(self, row: int) -> set[int]:
         request_id = int(self.log.context.request_ids[row])
