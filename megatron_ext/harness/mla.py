@@ -144,12 +144,16 @@ def step_kind_warning(case: Any, bit_identical: bool) -> Optional[str]:
 def mla_config_fields(spec: Any) -> dict[str, Any]:
     """``MLATransformerConfig`` fields of an MLA :class:`~megatron_ext.harness.cases.ModelSpec`.
 
-    ``rope_type`` is ``rope`` (``rotary_base``, ``rotary_percent`` of the ``qk_pos_emb_head_dim``
-    channels) and ``cache_mla_latents`` True, the only way megatron-core's dynamic engine runs MLA."""
+    The case's ``rope_type`` (``yarn``: megatron-core's ``YarnRotaryEmbedding``; ``rope``:
+    ``rotary_base``, ``rotary_percent`` of the ``qk_pos_emb_head_dim`` channels), its YaRN parameters
+    (megatron-core passes them to the softmax scale with either type) and ``cache_mla_latents``
+    True, the only way megatron-core's dynamic engine runs MLA."""
+    from .cases.schema import MLA_ROPE_FIELDS
+
     return dict(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank, qk_head_dim=spec.qk_head_dim,
                 qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim, v_head_dim=spec.v_head_dim,
-                rope_type="rope", rotary_base=spec.rotary_base, rotary_percent=spec.rotary_percent,
-                cache_mla_latents=True)
+                rotary_base=spec.rotary_base, rotary_percent=spec.rotary_percent,
+                **{name: getattr(spec, name) for name in MLA_ROPE_FIELDS}, cache_mla_latents=True)
 
 
 @functools.cache
