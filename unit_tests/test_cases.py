@@ -15,7 +15,7 @@ TOKENIZER = default_tokenizer()
 
 def test_shipped_cases():
     assert shipped_cases() == [
-        "chunked_prefill", "hybrid_chunked", "hybrid_prefix", "lru_pressure", "memory_pressure", "mla_tiny",
+        "chunked_prefill", "hybrid_chunked", "hybrid_prefix", "lru_pressure", "memory_pressure", "mla_tiny", "mla_yarn_tiny",
         "moe_mla_mtp_tiny", "moe_tiny", "mtp_speculative_tiny", "multi_turn_chat", "rl_rollouts", "rl_weight_update", "shared_system_prompt",
     ]
 
