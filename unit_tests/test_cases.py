@@ -290,6 +290,23 @@ def test_mla_sizes_apply_to_mla_models_only_and_the_case_round_trips():
     assert all(p.prompt_tokens[:128] == planned[2].prompt_tokens for p in planned if p.request_id != 1)
 
 
+def test_mla_rope_type_defaults_to_yarn_as_megatron_core_and_applies_to_mla_only():
+    """``rope_type`` and the YaRN parameters: megatron-core's ``MLATransformerConfig`` defaults, MLA
+    models only; the shipped rope MLA cases say so."""
+    with pytest.raises(CaseFileError, match="beta_fast, rope_type apply to multi-latent attention only"):
+        parse_case("name: m\nrequests: [{prompt: hi}]\nmodel: {rope_type: rope, beta_fast: 8}\n")
+    model = parse_case(_MLA % (64, "kv_lora_rank: 32")).model
+    assert (model.rope_type, model.rotary_scaling_factor, model.original_max_position_embeddings, model.beta_fast,
+            model.beta_slow, model.mscale, model.mscale_all_dim) == ("yarn", 40, 4096, 32, 1, 1.0, 0.0)
+    assert [load_case(n).model.rope_type for n in ("mla_tiny", "moe_mla_mtp_tiny", "mla_yarn_tiny")] == [
+        "rope", "rope", "yarn"]
+    assert load_case("mla_yarn_tiny").model.mscale_all_dim == 1.0
+    with pytest.raises(CaseFileError, match="rope_type"):
+        parse_case(_MLA % (64, "rope_type: ntk"))
+    case = load_case("mla_yarn_tiny")
+    assert parse_case(dump_case(case)) == case
+
+
 def test_speculative_case_without_a_model_section_is_checked_against_the_model_it_runs():
     """A case without ``model`` may take its model from a checkpoint's args (``ab --load``): its
     drafts are checked against that model when the run starts, not when the file loads."""
