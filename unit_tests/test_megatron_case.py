@@ -286,6 +286,12 @@ def test_multi_latent_attention_refusals_name_the_argument(tmp_path, change, mes
 def test_multi_latent_attention_sizes_without_the_flag_are_refused(tmp_path):
     args = {k: v for k, v in MLA_ARGS.items() if k not in ("--multi-latent-attention", "--rope-type",
                                                               "--cache-mla-latents")}
+    gpt = {k: v for k, v in args.items() if k not in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+                                                      "--qk-pos-emb-head-dim", "--v-head-dim")}
+    assert "--rope-type" not in {a for a, _ in load_megatron_case(write(tmp_path, {**gpt, "--rope-type": "rope"})).ignored}
+    with pytest.raises(CaseFileError, match="--rope-type yarn without --multi-latent-attention: Megatron-LM asserts "
+                                            "common attention only supports rope_type rope"):
+        load_megatron_case(write(tmp_path, {**gpt, "--rope-type": "yarn"}))
     with pytest.raises(CaseFileError) as error:
         load_megatron_case(write(tmp_path, args))
     assert str(error.value).endswith(": --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, "

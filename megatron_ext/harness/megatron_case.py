@@ -492,6 +492,10 @@ def _mla_model(args: _ArgReader) -> dict[str, Any]:
         if sizes:
             raise CaseFileError(f"{args.path}: {', '.join(sizes)} without --multi-latent-attention: Megatron-LM "
                                 "uses them only with it; add it or remove them")
+        rope = args.get("--rope-type", str, None)  # read: rope is what a GPT model's attention builds
+        if rope not in (None, "rope"):
+            raise CaseFileError(f"{args.path}: --rope-type {rope} without --multi-latent-attention: Megatron-LM "
+                                "asserts common attention only supports rope_type rope")
         return {}
     version = mcore.installed_version()
     if mcore.release_series(version) not in MLA_SERIES:
