@@ -25,8 +25,8 @@ LRU_FIXES = sorted(fix for fix in LRU_FIX_FAULTS if fix in NEEDED_FIXES)
 
 #: The shipped GPT cases. The hybrid ones (``hybrid_*``) need Triton's interpreter from process
 #: start, which this process cannot promise (Triton may be imported already): they run in a fresh
-#: interpreter in ``functional_tests/test_hybrid_cases.py``. The multi-latent attention case
-#: (``mla_tiny``) runs on 0.18+ only: ``functional_tests/test_mla.py``.
+#: interpreter in ``functional_tests/test_hybrid_cases.py``. The multi-latent attention cases
+#: (``mla_tiny``, ``mla_yarn_tiny``) run on 0.18+ only: ``functional_tests/test_mla.py``.
 #: The speculative-decoding ones run in a fresh interpreter too the speculative-decoding ones
 #: (megatron-core's Triton MTP kernels), in ``functional_tests/test_mtp_speculative.py``.
 GPT_CASES = [name for name in shipped_cases()

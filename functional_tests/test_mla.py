@@ -9,6 +9,8 @@ and exits 2 before building anything.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -70,6 +72,46 @@ def test_mla_tiny_is_bit_identical_with_latent_writes_redirected(monkeypatch):
         assert [o.tokens for o in policy.run.outputs.values()] == TOKENS
 
 
+#: ``mla_yarn_tiny``'s greedy tokens, the same with caching off and on (bf16, seed 1234; YaRN RoPE)
+YARN_TOKENS = [[63, 220, 121, 1, 118, 117], [206, 13, 126, 126, 126, 169], [220, 121, 1, 118, 117, 126],
+               [63, 220, 121, 1, 118, 117]]
+
+
+@pytest.mark.slow
+def test_mla_yarn_tiny_builds_megatron_cores_yarn_and_is_bit_identical_with_prefix_hits():
+    """MLA as Megatron configures it (``rope_type`` absent: yarn): megatron-core's
+    ``YarnRotaryEmbedding`` on CPU tensors under the CPU backend, caching on vs off bit-identical
+    with 4 blocks matched per policy."""
+    case = load_case("mla_yarn_tiny")
+    with cpu_backend():
+        ensure_model_parallel()
+        model = build_model(case)
+    yarn = mcore.import_module("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding")
+    config, attention = model.config, model.decoder.layers[0].self_attention
+    assert (config.rope_type, config.rotary_scaling_factor, config.original_max_position_embeddings,
+            config.beta_fast, config.beta_slow, config.mscale, config.mscale_all_dim) == ("yarn", 40, 4096, 32, 1, 1, 1)
+    assert type(attention.rotary_pos_emb) is yarn.YarnRotaryEmbedding
+    assert attention.rotary_pos_emb.cos_cached.device.type == "cpu"
+    assert attention.softmax_scale == pytest.approx((0.1 * math.log(40) + 1) ** 2 / math.sqrt(16 + 8), rel=1e-12)
+    if not RUNS_MLA:
+        with pytest.raises(MLAUnsupportedError):
+            run_ab(case, patched=True)
+        return
+    megatron_ext.revert()
+    try:
+        result = run_ab(case, patched=True)
+    finally:
+        megatron_ext.revert()
+    assert result.failures() == [] and result.bit_identical and result.exit_code() == 0
+    assert result.as_json()["model_features"] == ["mla"]
+    assert [o.tokens for o in result.baseline.outputs.values()] == YARN_TOKENS
+    for policy in result.policies:
+        counters, audit = policy.run.counters, policy.run.audit
+        assert (counters.blocks_matched, counters.prefill_tokens_skipped) == (4, 192)
+        assert (audit.kv_write_violations, audit.refcount_violations, audit.lru_violations) == (0, 0, 0)
+        assert [o.tokens for o in policy.run.outputs.values()] == YARN_TOKENS
+
+
 @pytest.mark.slow
 @pytest.mark.every_tree
 def test_mla_tiny_without_matched_block_writes_writes_latents_into_a_matched_block(monkeypatch):
@@ -129,13 +171,15 @@ def _greedy_uncached(model, prompt: list[int], count: int) -> tuple[list[int], l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qk_layernorm", [True, False], ids=["qk_layernorm", "no_qk_layernorm"])
-def test_the_engine_on_the_cpu_stand_ins_matches_the_uncached_mla_forward(monkeypatch, qk_layernorm):
+@pytest.mark.parametrize("name, qk_layernorm", [("mla_tiny", True), ("mla_tiny", False), ("mla_yarn_tiny", True)],
+                         ids=["qk_layernorm", "no_qk_layernorm", "yarn"])
+def test_the_engine_on_the_cpu_stand_ins_matches_the_uncached_mla_forward(monkeypatch, name, qk_layernorm):
     """The latent path end to end (latent cache, uncompressed prefill, FlashMLA stand-in decode with
-    absorbed queries, the split's KV norm, the decode flag) against the same weights' uncached
-    forward: same greedy tokens, log-probs within 2e-6 (fp32; measured at most 7.2e-7). 0.17 runs
-    the engine with prefix caching off, the configuration it can run MLA in."""
-    data = load_case("mla_tiny").model_dump()
+    absorbed queries, the split's KV norm, the decode flag; ``mla_yarn_tiny``: YaRN's scaled cos/sin
+    and softmax scale) against the same weights' uncached forward: same greedy tokens, log-probs
+    within 2e-6 (fp32; measured at most 7.2e-7). 0.17 runs the engine with prefix caching off, the
+    configuration it can run MLA in."""
+    data = load_case(name).model_dump()
     data["model"].update(params_dtype="fp32", qk_layernorm=qk_layernorm)
     case = Case.model_validate(data)
     planned = plan_requests(case, default_tokenizer())

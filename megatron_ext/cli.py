@@ -300,7 +300,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
     tokenizer = resolve_tokenizer(args.tokenizer, args.tokenizer_library)
     case = soak_case(args.requests, args.seed, policies, chunked_prefill=not args.no_chunked_prefill,
                      update_every=args.update_every,
-                     model=next((kind for kind in SOAK_MODELS if getattr(args, kind, False)), "gpt"))
+                     model=next((kind for kind in SOAK_MODELS if getattr(args, kind, False)), "gpt"),
+                     rope_type=args.rope_type)
     if tokenizer is not None:
         case, grown = fit_vocab(case, tokenizer.vocab_size)
         if grown:
@@ -569,6 +570,9 @@ def _add_soak(sub: Any) -> None:
     soak_model.add_argument("--mla", action="store_true",
                         help="a multi-latent attention model (mla_tiny's: latent KV cache, blocks of 64 tokens, no "
                         "chunked prefill, a pool sized so no request waits; megatron-core 0.18 / 0.19): latent writes sent to the dummy block are reported")
+    p_soak.add_argument("--rope-type", choices=("rope", "yarn"), default=None,
+                        help="with --mla: the MLA model's RoPE (Megatron-LM's --rope-type): rope (the default, "
+                        "mla_tiny's) or yarn (megatron-core's YaRN with its default parameters, Megatron's MLA default)")
     soak_model.add_argument("--mtp", action="store_true",
                         help="MTP speculative decoding (mtp_speculative_tiny's model, 2 drafts per step, blocks of "
                         "8 tokens; megatron-core 0.19): drafts proposed / accepted and the speculative audit are "

@@ -16,7 +16,8 @@ TOKENIZER = default_tokenizer()
 def test_shipped_cases():
     assert shipped_cases() == [
         "chunked_prefill", "hybrid_chunked", "hybrid_prefix", "lru_pressure", "memory_pressure", "mla_tiny",
-        "moe_mla_mtp_tiny", "moe_tiny", "mtp_evict_resume", "mtp_speculative_tiny", "multi_turn_chat", "rl_rollouts", "rl_weight_update", "shared_system_prompt",
+        "mla_yarn_tiny", "moe_mla_mtp_tiny", "moe_tiny", "mtp_evict_resume", "mtp_speculative_tiny", "multi_turn_chat",
+        "rl_rollouts", "rl_weight_update", "shared_system_prompt",
     ]
 
 
@@ -288,6 +289,23 @@ def test_mla_sizes_apply_to_mla_models_only_and_the_case_round_trips():
     planned = plan_requests(case, TOKENIZER)
     assert [len(p.prompt_tokens) for p in planned] == [147, 71, 128, 144]
     assert all(p.prompt_tokens[:128] == planned[2].prompt_tokens for p in planned if p.request_id != 1)
+
+
+def test_mla_rope_type_defaults_to_yarn_as_megatron_core_and_applies_to_mla_only():
+    """``rope_type`` and the YaRN parameters: megatron-core's ``MLATransformerConfig`` defaults, MLA
+    models only; the shipped rope MLA cases say so."""
+    with pytest.raises(CaseFileError, match="beta_fast, rope_type apply to multi-latent attention only"):
+        parse_case("name: m\nrequests: [{prompt: hi}]\nmodel: {rope_type: rope, beta_fast: 8}\n")
+    model = parse_case(_MLA % (64, "kv_lora_rank: 32")).model
+    assert (model.rope_type, model.rotary_scaling_factor, model.original_max_position_embeddings, model.beta_fast,
+            model.beta_slow, model.mscale, model.mscale_all_dim) == ("yarn", 40, 4096, 32, 1, 1.0, 0.0)
+    assert [load_case(n).model.rope_type for n in ("mla_tiny", "moe_mla_mtp_tiny", "mla_yarn_tiny")] == [
+        "rope", "rope", "yarn"]
+    assert load_case("mla_yarn_tiny").model.mscale_all_dim == 1.0
+    with pytest.raises(CaseFileError, match="rope_type"):
+        parse_case(_MLA % (64, "rope_type: ntk"))
+    case = load_case("mla_yarn_tiny")
+    assert parse_case(dump_case(case)) == case
 
 
 def test_speculative_case_without_a_model_section_is_checked_against_the_model_it_runs():

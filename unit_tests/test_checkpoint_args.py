@@ -99,10 +99,8 @@ def _args(**changes) -> argparse.Namespace:
      "moe_shared_expert_intermediate_size=128 (shared experts)"),
     ({"num_experts": 64, "moe_layer_freq": 2},
      "moe_layer_freq=2 (experts in some layers only; the harness puts them in every layer)"),
-    ({"multi_latent_attention": True}, "multi_latent_attention=True with rope_type=None (Megatron-LM defaults MLA "
-                                       "to yarn; the harness builds MLA with rope_type 'rope' only)"),
-    ({"multi_latent_attention": True, "rope_type": "yarn"},
-     "multi_latent_attention=True with rope_type='yarn' (the harness builds MLA with rope_type 'rope' only)"),
+    ({"multi_latent_attention": True, "rope_type": "ntk"},
+     "multi_latent_attention=True with rope_type='ntk' (megatron-core's MLA builds 'rope' or 'yarn')"),
     ({"spec": ["my.module", "layer_spec"]}, "spec=['my.module', 'layer_spec'] (a custom layer spec module)"),
     ({"apply_layernorm_1p": True}, "apply_layernorm_1p=True (zero-centered (1p) layer norm)"),
     ({"squared_relu": True}, "squared_relu=True (squared-ReLU activation)"),
@@ -141,8 +139,11 @@ def test_mla_args_round_trip_with_megatron_lm_names():
     assert {k: getattr(args, k) for k in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                           "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "cache_mla_latents")} == {
         "multi_latent_attention": True, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_head_dim": 16,
-        "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "rope_type": "rope", "cache_mla_latents": True}
+        "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "rope_type": "yarn", "cache_mla_latents": True}
     assert model_spec_from_args(args, "ckpt", spec) == spec
+    rope = spec.model_copy(update={"rope_type": "rope"})
+    assert megatron_lm_args(rope, rope.vocab_size).rope_type == "rope"
+    assert model_spec_from_args(megatron_lm_args(rope, rope.vocab_size), "ckpt", rope) == rope
     for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
         delattr(args, name)  # Megatron-LM's defaults: no query compression, 32, 128, 64, 128
     args.qk_layernorm = False
@@ -150,6 +151,36 @@ def test_mla_args_round_trip_with_megatron_lm_names():
     assert (built.q_lora_rank, built.kv_lora_rank, built.qk_head_dim, built.qk_pos_emb_head_dim, built.v_head_dim) == (
         None, 32, 128, 64, 128)
     assert vars(megatron_lm_args(LLAMA, 512))["multi_latent_attention"] is False
+
+
+def test_mla_yarn_parameters_round_trip_and_take_megatron_lm_defaults_where_absent():
+    """YaRN's parameters under Megatron-LM's argument names (``--rotary-scaling-factor``, ``--mscale``,
+    ``--mscale-all-dim``) and ``MLATransformerConfig``'s for the rest; absent: Megatron-LM's argument
+    defaults (1.0, 1.0, 0.0) and megatron-core's (4096, 32, 1); ``rope_type`` None: yarn."""
+    spec = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, normalization="RMSNorm",
+                     position_embedding_type="rope", multi_latent_attention=True, rotary_scaling_factor=8.0,
+                     original_max_position_embeddings=256, beta_fast=16.0, beta_slow=2.0, mscale=0.707,
+                     mscale_all_dim=0.5)
+    args = megatron_lm_args(spec, spec.vocab_size)
+    assert {k: getattr(args, k) for k in ("rope_type", "rotary_scaling_factor", "original_max_position_embeddings",
+                                          "beta_fast", "beta_slow", "mscale", "mscale_all_dim")} == {
+        "rope_type": "yarn", "rotary_scaling_factor": 8.0, "original_max_position_embeddings": 256,
+        "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 0.707, "mscale_all_dim": 0.5}
+    assert model_spec_from_args(args, "ckpt", spec) == spec
+    assert shapeless_disagreements(spec, args) == []
+    for name in ("rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "mscale", "mscale_all_dim"):
+        delattr(args, name)
+    args.rope_type = None  # Megatron-LM's --rope-type default
+    built = model_spec_from_args(args, "ckpt", spec)
+    assert (built.rope_type, built.rotary_scaling_factor, built.original_max_position_embeddings, built.beta_fast,
+            built.beta_slow, built.mscale, built.mscale_all_dim) == ("yarn", 1.0, 4096, 32, 1, 1.0, 0.0)
+    # a case's model section that disagrees on them is a silently different model: compared
+    assert shapeless_disagreements(spec, args) == [
+        ("rotary_scaling_factor", 8.0, 1.0), ("original_max_position_embeddings", 256, 4096), ("beta_fast", 16.0, 32.0),
+        ("beta_slow", 2.0, 1.0), ("mscale", 0.707, 1.0), ("mscale_all_dim", 0.5, 0.0)]
+    args.rope_type = "rope"
+    assert shapeless_disagreements(spec, args)[0] == ("rope_type", "yarn", "rope")
 
 
 def test_several_refusals_are_all_named():

@@ -87,6 +87,12 @@ def test_usage_error_is_one_line_naming_where_the_options_are(args, line, capsys
     assert capsys.readouterr().err.splitlines() == [f"{line}; `{prog} --help` lists the options"]
 
 
+def test_soak_rope_type_without_mla_exits_2_before_running(monkeypatch, capsys):
+    monkeypatch.setattr(ab, "build_model", lambda *a, **k: pytest.fail("built a model for a refused soak"))
+    assert cli.main(["soak", "--requests", "5", "--rope-type", "yarn", "--no-progress"]) == 2
+    assert one_error_line(capsys) == "megatron-ext: error: soak: --rope-type yarn applies to --mla only, and is rope or yarn"
+
+
 def test_plot_in_a_format_matplotlib_cannot_write_exits_2_before_running(tmp_path, nothing_runs, capsys):
     assert cli.main(["ab", "--plot", str(tmp_path / "delta.txt"), "--no-progress"]) == 2
     line = one_error_line(capsys)

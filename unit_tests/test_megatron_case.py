@@ -235,9 +235,42 @@ def test_multi_latent_attention_arguments_map_to_the_model_section_or_are_refuse
         None, 32, 128, 64, 128)
 
 
+def test_multi_latent_attention_without_rope_type_builds_yarn_as_megatron_does(tmp_path):
+    """No ``--rope-type``: megatron-core's ``MLATransformerConfig`` default, yarn, with Megatron-LM's
+    ``--rotary-scaling-factor`` / ``--mscale`` / ``--mscale-all-dim`` defaults (1.0, 1.0, 0.0) and
+    megatron-core's for the YaRN fields Megatron-LM has no MLA argument for; the model is built with
+    megatron-core's ``YarnRotaryEmbedding`` on the CPU."""
+    if not MLA_RELEASE:
+        pytest.skip("megatron-core 0.17 refuses --multi-latent-attention (tested above)")
+    from megatron_ext.cpu_backend import cpu_backend
+    from megatron_ext.harness.engine import build_model, ensure_model_parallel
+
+    args = {k: v for k, v in MLA_ARGS.items() if k != "--rope-type"}
+    mc = load_megatron_case(write(tmp_path, {**args, "--yarn-beta-fast": 16}))
+    model = mc.case.model
+    assert (model.rope_type, model.rotary_scaling_factor, model.mscale, model.mscale_all_dim,
+            model.original_max_position_embeddings, model.beta_fast, model.beta_slow) == ("yarn", 1.0, 1.0, 0.0,
+                                                                                         4096, 32, 1)
+    assert dict(mc.ignored)["--yarn-beta-fast"].startswith("Megatron-LM passes the --yarn-* arguments to a GPT "
+                                                          "model's YaRN")
+    given = load_megatron_case(write(tmp_path, {**args, "--rotary-scaling-factor": 40, "--mscale": 0.707,
+                                                "--mscale-all-dim": 0.707})).case.model
+    assert (given.rope_type, given.rotary_scaling_factor, given.mscale, given.mscale_all_dim) == ("yarn", 40, 0.707,
+                                                                                                  0.707)
+    with cpu_backend():
+        ensure_model_parallel()
+        built = build_model(mc.case)
+    yarn = mcore.import_module("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding")
+    config = built.config
+    assert (config.rope_type, config.rotary_scaling_factor, config.mscale, config.mscale_all_dim) == (
+        "yarn", 1.0, 1.0, 0.0)
+    assert type(built.decoder.layers[0].self_attention.rotary_pos_emb) is yarn.YarnRotaryEmbedding
+    rope = load_megatron_case(write(tmp_path, MLA_ARGS)).case.model
+    assert rope.rope_type == "rope"
+
+
 @pytest.mark.parametrize("change, message", [
-    ({"--rope-type": None}, "--multi-latent-attention with --rope-type yarn (Megatron-LM default for MLA): ab "
-                            "builds MLA with --rope-type rope only"),
+    ({"--rope-type": "ntk"}, "--rope-type ntk: Megatron-LM's choices are rope and yarn"),
     ({"--cache-mla-latents": False}, "--cache-mla-latents false: megatron-core's dynamic engine runs multi-latent "
                                      "attention with cached latents only"),
     ({"--inference-dynamic-batching-block-size": 16}, "--multi-latent-attention needs "
@@ -253,6 +286,12 @@ def test_multi_latent_attention_refusals_name_the_argument(tmp_path, change, mes
 def test_multi_latent_attention_sizes_without_the_flag_are_refused(tmp_path):
     args = {k: v for k, v in MLA_ARGS.items() if k not in ("--multi-latent-attention", "--rope-type",
                                                               "--cache-mla-latents")}
+    gpt = {k: v for k, v in args.items() if k not in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+                                                      "--qk-pos-emb-head-dim", "--v-head-dim")}
+    assert "--rope-type" not in {a for a, _ in load_megatron_case(write(tmp_path, {**gpt, "--rope-type": "rope"})).ignored}
+    with pytest.raises(CaseFileError, match="--rope-type yarn without --multi-latent-attention: Megatron-LM asserts "
+                                            "common attention only supports rope_type rope"):
+        load_megatron_case(write(tmp_path, {**gpt, "--rope-type": "yarn"}))
     with pytest.raises(CaseFileError) as error:
         load_megatron_case(write(tmp_path, args))
     assert str(error.value).endswith(": --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, "

@@ -120,6 +120,23 @@ def test_mla_variant_admits_every_request_at_its_arrival_step():
     assert case.inference.buffer_size_gb * 1024**3 == 28 * 2 * 2 * 64 * 40
 
 
+def test_mla_variant_with_yarn_is_the_same_workload_with_megatrons_mla_rope():
+    """``soak --mla --rope-type yarn``: ``mla_tiny``'s model with rope_type yarn (megatron-core's YaRN
+    defaults), the same requests and engine; --rope-type with another model is refused."""
+    from megatron_ext.harness.cases import CaseFileError
+    from megatron_ext.harness.soak import SOAK_MLA_MODEL
+
+    case, plain = soak_case(40, seed=0, model="mla", rope_type="yarn"), soak_case(40, seed=0, model="mla")
+    assert case.name == "soak-40-seed0-mla-yarn" and case.description.endswith(
+        "latent KV cache in blocks of 64 tokens, RoPE type yarn.")
+    assert case.model == SOAK_MLA_MODEL.model_copy(update={"rope_type": "yarn"})
+    assert (case.model.rope_type, case.model.rotary_scaling_factor, case.model.mscale_all_dim) == ("yarn", 40, 0)
+    assert (case.requests, case.inference) == (plain.requests, plain.inference)
+    assert SOAK_MLA_MODEL.rope_type == "rope"
+    with pytest.raises(CaseFileError, match="soak: --rope-type yarn applies to --mla only, and is rope or yarn"):
+        soak_case(10, model="moe", rope_type="yarn")
+
+
 def test_mtp_variant_is_the_soak_workload_with_two_drafts_per_step():
     from megatron_ext.harness.soak import MTP_MAX_GENERATED_TOKENS, SOAK_MTP_INFERENCE, SOAK_MTP_MODEL
 

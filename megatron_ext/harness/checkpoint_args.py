@@ -5,8 +5,8 @@ checkpoint's common state, next to ``iteration`` and ``checkpoint_version``; its
 ``--use-checkpoint-args`` builds the model from them. :func:`megatron_lm_args` writes the
 architecture arguments of a :class:`~megatron_ext.harness.cases.ModelSpec` under the same names,
 and :func:`model_spec_from_args` maps a checkpoint's arguments back to a ``ModelSpec``, refusing
-by name every argument whose value the harness cannot build (grouped-GEMM experts, multi-latent
-attention with a RoPE type other than ``rope``, ...). Runtime and fusion flags in the arguments (``apply_rope_fusion``,
+by name every argument whose value the harness cannot build (grouped-GEMM experts, a RoPE type
+other than ``rope`` or ``yarn`` for multi-latent attention, ...). Runtime and fusion flags in the arguments (``apply_rope_fusion``,
 ``bias_swiglu_fusion``, ``masked_softmax_fusion``, ...) are never read: they describe the
 training machine, not the model.
 """
@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from pydantic import ValidationError
 
-from .cases.schema import ModelSpec, describe_validation_error
+from .cases.schema import MLA_ROPE_FIELDS, ModelSpec, describe_validation_error
 from .checkpoint import CheckpointError, CheckpointSource, read_common_state
 from .dtypes import TORCH_DTYPES
 
@@ -163,23 +163,39 @@ MLA_ARGS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128, "qk_pos
             "v_head_dim": 128}
 
 
+#: An MLA model's YaRN fields under Megatron-LM's argument names (``--rotary-scaling-factor``,
+#: ``--mscale``, ``--mscale-all-dim``), with Megatron-LM's argument defaults where the args lack them.
+MLA_YARN_ARGS = {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+
+#: An MLA model's YaRN fields Megatron-LM has no MLA argument for: ``MLATransformerConfig``'s own
+#: names (Megatron-LM builds the config from every args attribute named like one of its fields),
+#: with megatron-core's defaults where the args lack them.
+MLA_CONFIG_YARN_ARGS = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
 def _mla_args(spec: ModelSpec) -> dict[str, Any]:
     """A multi-latent attention model's Megatron-LM arguments (``multi_latent_attention`` False for
-    any other model): the sizes, ``rope_type`` ``rope`` (Megatron-LM's MLA default is yarn) and
-    ``cache_mla_latents`` (how the harness's engine runs it; no tensor depends on it)."""
+    any other model): the sizes, ``rope_type`` (``rope`` or ``yarn``), the YaRN parameters
+    (:data:`MLA_YARN_ARGS`, :data:`MLA_CONFIG_YARN_ARGS`) and ``cache_mla_latents`` (how the
+    harness's engine runs it; no tensor depends on it)."""
     if not spec.multi_latent_attention:
         return {"multi_latent_attention": False}
     return {"multi_latent_attention": True, **{name: getattr(spec, name) for name in MLA_ARGS},
-            "rope_type": "rope", "cache_mla_latents": True}
+            "rope_type": spec.rope_type, **{name: getattr(spec, name) for name in (*MLA_YARN_ARGS, *MLA_CONFIG_YARN_ARGS)},
+            "cache_mla_latents": True}
 
 
 def _mla_fields(args: Any) -> dict[str, Any]:
-    """The ``ModelSpec`` fields of a multi-latent attention model's args (none for another model)."""
+    """The ``ModelSpec`` fields of a multi-latent attention model's args (none for another model).
+    ``rope_type`` None (Megatron-LM's ``--rope-type`` default) is megatron-core's MLA default, yarn."""
     if not getattr(args, "multi_latent_attention", False):
         return {}
     sizes = {name: getattr(args, name, None) for name in MLA_ARGS}
+    yarn = {name: default if getattr(args, name, None) is None else getattr(args, name)
+            for name, default in {**MLA_YARN_ARGS, **MLA_CONFIG_YARN_ARGS}.items()}
     return {"multi_latent_attention": True,
-            **{name: default if sizes[name] is None else sizes[name] for name, default in MLA_ARGS.items()}}
+            **{name: default if sizes[name] is None else sizes[name] for name, default in MLA_ARGS.items()},
+            "rope_type": getattr(args, "rope_type", None) or "yarn", **yarn}
 
 
 def _hybrid_pattern(args: Any) -> tuple[Optional[str], list[str]]:
@@ -213,10 +229,9 @@ def _refusals(args: Any) -> list[str]:
             continue
         refused.append(f"{name}={value!r} ({what})")
     rope_type = getattr(args, "rope_type", None)
-    if getattr(args, "multi_latent_attention", False) and rope_type != "rope":
-        refused.append(f"multi_latent_attention=True with rope_type={rope_type!r} ("
-                       f"{'Megatron-LM defaults MLA to yarn; ' if rope_type is None else ''}the harness builds MLA "
-                       "with rope_type 'rope' only)")
+    if getattr(args, "multi_latent_attention", False) and rope_type not in (None, "rope", "yarn"):
+        refused.append(f"multi_latent_attention=True with rope_type={rope_type!r} (megatron-core's MLA builds "
+                       "'rope' or 'yarn')")
     freq = getattr(args, "moe_layer_freq", 1)
     if getattr(args, "num_experts", None) and freq != 1:
         refused.append(f"moe_layer_freq={freq!r} (experts in some layers only; the harness puts them in every layer)")
@@ -371,7 +386,8 @@ def shapeless_disagreements(spec: ModelSpec, args: Any) -> list[tuple[str, Any, 
     otherwise than the checkpoint's Megatron-LM ``args`` where the weights' shapes cannot show it.
 
     Compared: :data:`SHAPELESS_FIELDS` (the rotary ones only when both are RoPE models; otherwise the
-    position embedding tensor differs), and the attention geometry (heads, query groups,
+    position embedding tensor differs), an MLA model's ``rope_type`` and YaRN parameters
+    (``MLA_ROPE_FIELDS``, when both are MLA models), and the attention geometry (heads, query groups,
     kv_channels) when every attention shape agrees (e.g. 8 heads of 8 channels against 4 of 16).
     Everything else a difference changes shows as a tensor shape (or a missing tensor) at load.
     """
@@ -385,6 +401,10 @@ def shapeless_disagreements(spec: ModelSpec, args: Any) -> list[tuple[str, Any, 
             theirs = default
         if getattr(spec, name) != theirs:
             found.append((name, getattr(spec, name), theirs))
+    if spec.multi_latent_attention and getattr(args, "multi_latent_attention", False):
+        theirs_mla = _mla_fields(args)
+        found += [(name, getattr(spec, name), theirs_mla[name]) for name in MLA_ROPE_FIELDS
+                  if getattr(spec, name) != theirs_mla[name]]
     group_query = getattr(args, "group_query_attention", False)
     ours = _attention_geometry(spec.num_attention_heads, spec.num_query_groups, spec.kv_channels, spec.hidden_size)
     theirs = _attention_geometry(getattr(args, "num_attention_heads", None),

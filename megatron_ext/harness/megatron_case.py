@@ -159,6 +159,22 @@ MLA_ARGS = {
     "--v-head-dim": ("v_head_dim", 128),
 }
 
+#: Multi-latent attention's YaRN RoPE: ``--flag`` -> model section field, and Megatron-LM's argument
+#: default where the file does not give it (its ``--rotary-scaling-factor`` defaults to 1.0, where
+#: megatron-core's ``MLATransformerConfig`` and the model section default to 40). Megatron-LM has no
+#: MLA arguments for ``original_max_position_embeddings``, ``beta_fast`` and ``beta_slow``: an MLA
+#: model takes megatron-core's defaults (4096, 32, 1), as the model section does.
+MLA_YARN_ARGS = {
+    "--rotary-scaling-factor": ("rotary_scaling_factor", 1.0),
+    "--mscale": ("mscale", 1.0),
+    "--mscale-all-dim": ("mscale_all_dim", 0.0),
+}
+
+#: Megatron-LM's YaRN arguments for GPT models (``--position-embedding-type yarn``), which it does not
+#: pass to an MLA model's ``MLATransformerConfig`` (another field name): listed as ignored with MLA.
+GPT_YARN_ARGS = ("--yarn-original-max-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
+                 "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int")
+
 #: Hybrid (Mamba + attention) models: the layer pattern's arguments (the second is Megatron-LM's
 #: older name), and the Mamba inference state dtypes (Megatron-LM's default for both: bf16).
 HYBRID_PATTERN_ARGS = ("--hybrid-layer-pattern", "--hybrid-override-pattern")
@@ -461,13 +477,13 @@ def _model(args: _ArgReader) -> dict[str, Any]:
 
 def _mla_model(args: _ArgReader) -> dict[str, Any]:
     """The multi-latent attention fields (``--multi-latent-attention`` and its sizes, Megatron-LM's
-    defaults where absent). Nothing without ``--multi-latent-attention``.
+    defaults where absent; ``--rope-type``, yarn where absent as in Megatron-LM, and the YaRN
+    arguments :data:`MLA_YARN_ARGS`). Nothing without ``--multi-latent-attention``.
 
     Raises:
         CaseFileError: MLA sizes without ``--multi-latent-attention``;
-            the installed release cannot run MLA (named with the argument), RoPE other
-            than ``--rope-type rope`` (Megatron-LM's MLA default is yarn), ``--cache-mla-latents``
-            false, or a block size other than 64.
+            the installed release cannot run MLA (named with the argument), a ``--rope-type`` other
+            than ``rope`` or ``yarn``, ``--cache-mla-latents`` false, or a block size other than 64.
     """
     from .mla import MLA_BLOCK_SIZE_TOKENS, MLA_SERIES
 
@@ -476,16 +492,18 @@ def _mla_model(args: _ArgReader) -> dict[str, Any]:
         if sizes:
             raise CaseFileError(f"{args.path}: {', '.join(sizes)} without --multi-latent-attention: Megatron-LM "
                                 "uses them only with it; add it or remove them")
+        rope = args.get("--rope-type", str, None)  # read: rope is what a GPT model's attention builds
+        if rope not in (None, "rope"):
+            raise CaseFileError(f"{args.path}: --rope-type {rope} without --multi-latent-attention: Megatron-LM "
+                                "asserts common attention only supports rope_type rope")
         return {}
     version = mcore.installed_version()
     if mcore.release_series(version) not in MLA_SERIES:
         raise CaseFileError(f"{args.path}: refused: --multi-latent-attention (megatron-core {version} cannot run "
                             "multi-latent attention with prefix caching; use 0.18 or 0.19)")
-    rope = args.get("--rope-type", str, "yarn")
-    if rope != "rope":
-        raise CaseFileError(f"{args.path}: --multi-latent-attention with --rope-type {rope}"
-                            f"{' (Megatron-LM default for MLA)' if '--rope-type' not in args.args else ''}: "
-                            "ab builds MLA with --rope-type rope only")
+    rope = args.get("--rope-type", str, None)
+    if rope not in (None, "rope", "yarn"):
+        raise CaseFileError(f"{args.path}: --rope-type {rope}: Megatron-LM's choices are rope and yarn")
     if not args.get("--cache-mla-latents", _flag, True):
         raise CaseFileError(f"{args.path}: --cache-mla-latents false: megatron-core's dynamic engine runs "
                             "multi-latent attention with cached latents only (it asserts cache_mla_latents)")
@@ -493,11 +511,19 @@ def _mla_model(args: _ArgReader) -> dict[str, Any]:
     if block != MLA_BLOCK_SIZE_TOKENS:
         raise CaseFileError(f"{args.path}: --multi-latent-attention needs --inference-dynamic-batching-block-size "
                             f"{MLA_BLOCK_SIZE_TOKENS} (megatron-core's latent KV cache asserts it), not {block}")
-    model: dict[str, Any] = {"multi_latent_attention": True}
+    # Megatron-LM leaves rope_type out of the config when --rope-type is absent: MLATransformerConfig's yarn
+    model: dict[str, Any] = {"multi_latent_attention": True, "rope_type": rope or "yarn"}
     for arg, (name, default) in MLA_ARGS.items():
         value = args.get(arg, int, default)
         if value is not None:
             model[name] = value
+    for arg, (name, default) in MLA_YARN_ARGS.items():
+        model[name] = args.get(arg, float, default)
+    for arg in GPT_YARN_ARGS:
+        if arg in args.args:
+            args.skip(arg, "Megatron-LM passes the --yarn-* arguments to a GPT model's YaRN "
+                           "(--position-embedding-type yarn), not to multi-latent attention, which takes "
+                           "megatron-core's original_max_position_embeddings, beta_fast and beta_slow")
     return model
 
 

@@ -27,6 +27,11 @@ on a GPU too (upstream main later refuses MLA with MTP inference, Megatron-LM PR
 block gets :func:`mla_draft_attention_class` (:func:`mla_mtp_layer_spec`): its attention keeps no
 latents, so the draft forward takes MLA's plain path.
 
+RoPE: ``rope_type`` ``yarn`` (megatron-core's and Megatron-LM's MLA default) builds megatron-core's
+``YarnRotaryEmbedding``, which puts its frequencies on ``torch.cuda.current_device()`` at build and
+moves them there again at its first forward; on the CPU the CPU backend's ``current_device`` stand-in
+and its CUDA-to-CPU device mode keep them CPU tensors (nothing YaRN-specific is patched).
+
 0.17 cannot run MLA with prefix caching: its ``flash_decode_and_prefill`` picks the decode kernel
 when every query of a step has one token (``max_seqlen_q == 1``), not when the step is decode-only,
 so a mixed step (a prefix-cached prompt recomputing one token beside decoding requests) sends
@@ -144,12 +149,17 @@ def step_kind_warning(case: Any, bit_identical: bool) -> Optional[str]:
 def mla_config_fields(spec: Any) -> dict[str, Any]:
     """``MLATransformerConfig`` fields of an MLA :class:`~megatron_ext.harness.cases.ModelSpec`.
 
-    ``rope_type`` is ``rope`` (``rotary_base``, ``rotary_percent`` of the ``qk_pos_emb_head_dim``
-    channels) and ``cache_mla_latents`` True, the only way megatron-core's dynamic engine runs MLA."""
+    The case's ``rope_type`` (``yarn``: megatron-core's ``YarnRotaryEmbedding``; ``rope``:
+    ``rotary_base``, ``rotary_percent`` of the ``qk_pos_emb_head_dim`` channels), its YaRN parameters
+    (``rotary_scaling_factor`` and ``mscale_all_dim`` also set megatron-core's softmax scale with
+    either type) and ``cache_mla_latents``
+    True, the only way megatron-core's dynamic engine runs MLA."""
+    from .cases.schema import MLA_ROPE_FIELDS
+
     return dict(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank, qk_head_dim=spec.qk_head_dim,
                 qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim, v_head_dim=spec.v_head_dim,
-                rope_type="rope", rotary_base=spec.rotary_base, rotary_percent=spec.rotary_percent,
-                cache_mla_latents=True)
+                rotary_base=spec.rotary_base, rotary_percent=spec.rotary_percent,
+                **{name: getattr(spec, name) for name in MLA_ROPE_FIELDS}, cache_mla_latents=True)
 
 
 @functools.cache

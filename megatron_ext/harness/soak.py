@@ -207,6 +207,7 @@ def soak_case(
     chunked_prefill: bool = True,
     update_every: Optional[int] = None,
     model: str = "gpt",
+    rope_type: Optional[str] = None,
 ) -> Case:
     """A reproducible soak workload of exactly ``requests`` engine requests.
 
@@ -237,6 +238,10 @@ def soak_case(
             * ``mtp``: MTP speculative decoding, :data:`SOAK_MTP_MODEL` and :data:`SOAK_MTP_INFERENCE`,
               the GPT workload with :data:`MTP_MAX_GENERATED_TOKENS` generated tokens at most. Needs
               Triton's interpreter on the CPU (``TRITON_INTERPRET=1``).
+        rope_type: ``mla`` only (``soak --mla --rope-type``): the MLA model's ``rope_type``, ``rope``
+            (None: :data:`SOAK_MLA_MODEL`'s, ``mla_tiny``'s) or ``yarn`` (megatron-core's
+            ``YarnRotaryEmbedding`` with its default parameters, Megatron's MLA default); the case
+            is then named ``...-mla-<rope_type>``.
 
     Returns:
         A :class:`Case` named ``soak-<requests>-seed<seed>`` (``-<model>`` for a model other than
@@ -246,6 +251,7 @@ def soak_case(
 
     Raises:
         ValueError: ``requests`` < 1, or ``model`` not in :data:`SOAK_MODELS`.
+        CaseFileError: ``rope_type`` for a model other than ``mla``, or neither ``rope`` nor ``yarn``.
         CaseFileError: unknown policy (the case schema refuses it, naming the field).
     """
     if requests < 1:
@@ -253,6 +259,11 @@ def soak_case(
     if model not in SOAK_MODELS:
         raise ValueError(f"soak: model {model!r} is none of {', '.join(SOAK_MODELS)}")
     spec, base, shape, description = SOAK_MODELS[model]
+    if rope_type is not None:
+        if model != "mla" or rope_type not in ("rope", "yarn"):
+            raise CaseFileError(f"soak: --rope-type {rope_type} applies to --mla only, and is rope or yarn")
+        spec = ModelSpec.model_validate({**spec.model_dump(), "rope_type": rope_type})
+        description = f"{description[:-1]}, RoPE type {rope_type}."
     specs = _workload(requests, seed, shape)
     unchunked = not chunked_prefill and base.enable_chunked_prefill  # MLA never chunks: nothing to turn off
     inference = base if not unchunked else base.model_copy(
@@ -265,6 +276,7 @@ def soak_case(
     try:
         return Case(
             name=f"soak-{requests}-seed{seed}" + ("" if model == "gpt" else f"-{model}")
+            + ("" if rope_type is None else f"-{rope_type}")
             + ("-unchunked" if unchunked else "")
             + ("" if update_every is None else f"-update-every-{update_every}"),
             weight_updates=updates,

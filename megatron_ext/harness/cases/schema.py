@@ -33,6 +33,11 @@ HYBRID_LAYER_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP"}
 #: :class:`ModelSpec` fields that only a multi-latent attention model uses.
 MLA_SIZE_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
+#: :class:`ModelSpec` fields of an MLA model's RoPE: ``rope_type`` and megatron-core's YaRN
+#: parameters (``MLATransformerConfig``'s fields, names and defaults).
+MLA_ROPE_FIELDS = ("rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast",
+                   "beta_slow", "mscale", "mscale_all_dim")
+
 
 class ModelSpec(StrictModel):
     """A GPT model with megatron-core's local layer spec; weights are seeded random unless loaded.
@@ -97,6 +102,14 @@ class ModelSpec(StrictModel):
       ``inference.block_size_tokens`` 64 and ``position_embedding_type: rope``; ``qk_layernorm``
       puts RMS/LayerNorms on the compressed query and KV (DeepSeek's q_a / kv_a norms);
       ``num_attention_heads`` heads, ``kv_channels`` / ``num_query_groups`` unused.
+      ``rope_type`` (MLA only; Megatron-LM's ``--rope-type``): ``yarn`` (the default, as in
+      megatron-core's ``MLATransformerConfig`` and Megatron-LM: ``YarnRotaryEmbedding``) or ``rope``
+      (``RotaryEmbedding`` with ``rotary_base`` and ``rotary_percent``). YaRN's parameters are
+      ``MLATransformerConfig``'s fields with its defaults: ``rotary_scaling_factor`` (40; Megatron-LM's
+      ``--rotary-scaling-factor``), ``original_max_position_embeddings`` (4096), ``beta_fast`` (32),
+      ``beta_slow`` (1), ``mscale`` (1.0; ``--mscale``), ``mscale_all_dim`` (0.0; ``--mscale-all-dim``).
+      megatron-core also scales MLA's softmax by ``rotary_scaling_factor`` and ``mscale_all_dim``
+      with either ``rope_type`` (1 with the defaults).
     * ``mtp_num_layers``: multi-token prediction layers after the decoder (Megatron-LM's
       ``--mtp-num-layers``; megatron-core's MTP block spec over the local layer spec), the draft
       heads of speculative decoding (``inference.num_speculative_tokens``). None: no MTP block.
@@ -143,6 +156,13 @@ class ModelSpec(StrictModel):
     qk_head_dim: int = Field(16, ge=1)
     qk_pos_emb_head_dim: int = Field(8, ge=2)
     v_head_dim: int = Field(16, ge=1)
+    rope_type: Literal["rope", "yarn"] = "yarn"
+    rotary_scaling_factor: float = Field(40.0, gt=0)
+    original_max_position_embeddings: int = Field(4096, ge=1)
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     mtp_num_layers: Optional[int] = Field(None, ge=1)
     mtp_use_repeated_layer: bool = False
 
@@ -210,7 +230,7 @@ class ModelSpec(StrictModel):
     @model_validator(mode="after")
     def _mla(self) -> "ModelSpec":
         # set to a non-default value (a dumped GPT case lists every field at its default)
-        mla_fields = sorted(f for f in MLA_SIZE_FIELDS if f in self.model_fields_set
+        mla_fields = sorted(f for f in MLA_SIZE_FIELDS + MLA_ROPE_FIELDS if f in self.model_fields_set
                             and getattr(self, f) != type(self).model_fields[f].default)
         if not self.multi_latent_attention:
             if mla_fields:
