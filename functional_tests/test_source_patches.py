@@ -263,6 +263,8 @@ def test_tree_inside_a_git_checkout_is_really_patched(tmp_path):
                        # routing-per-block (0.17 only): the controller's routing bookkeeping
                        *(["megatron/core/inference/text_generation_controllers/text_generation_controller.py"]
                          if SERIES == "0.17" else []),
+                       # mamba-decode-a-cache (0.18+): refresh_mamba_decode_caches
+                       *(["megatron/core/inference/utils.py"] if SERIES != "0.17" else []),
                        "megatron/core/resharding/refit.py",
                        "megatron/core/ssm/mamba_mixer.py",
                        "megatron/core/ssm/ops/mamba_ssm.py",
