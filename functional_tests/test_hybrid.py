@@ -245,7 +245,6 @@ def test_exhausted_mamba_slot_pool_drops_snapshots_and_leaks_nothing():
 
 
 @pytest.mark.slow
-@pytest.mark.every_tree
 def test_exhausted_mamba_slot_pool_fails_the_step_without_the_fix():
     """The same case with ``MEGATRON_EXT_SKIP=mamba-slot-exhaustion`` (or unpatched): the released
     ``allocate_slots_batch`` takes the one free slot, ``_evict_lru_slots_batch`` finds nothing

@@ -113,7 +113,6 @@ def test_mla_yarn_tiny_builds_megatron_cores_yarn_and_is_bit_identical_with_pref
 
 
 @pytest.mark.slow
-@pytest.mark.every_tree
 def test_mla_tiny_without_matched_block_writes_writes_latents_into_a_matched_block(monkeypatch):
     if not RUNS_MLA:
         with pytest.raises(MLAUnsupportedError) as error:
@@ -301,7 +300,6 @@ def test_mla_weight_update_reaches_decode_and_prefill_steps(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.every_tree
 def test_without_mla_absorbed_weights_the_update_misses_decode_steps(monkeypatch):
     if not RUNS_MLA:
         with pytest.raises(MLAUnsupportedError) as error:
