@@ -134,17 +134,16 @@ class PostUpdateCheck:
 
     def start(self, model: Any) -> None:
         """A run begins on ``model`` (version 0, just restored)."""
-        self._current = [self._keep(model)]
+        self._current = [self._keep(model, weights_sha256(model))]
 
-    def updated(self, model: Any) -> None:
-        """The run just made its next weight update."""
-        self._current.append(self._keep(model))
+    def updated(self, model: Any, digest: str) -> None:
+        """The run just made its next weight update; ``digest``: the updater's SHA-256 of the parameters."""
+        self._current.append(self._keep(model, digest))
 
     def after(self, run: RunRecord) -> None:
         self._runs.append((run, self._current))
 
-    def _keep(self, model: Any) -> str:
-        digest = weights_sha256(model)
+    def _keep(self, model: Any, digest: str) -> str:
         if digest not in self._weights:  # names as a freshly built model has them (before MLA's absorption)
             self._weights[digest] = {pre_absorption_name(n): t.detach().clone() for n, t in named_tensors(model)}
         return digest

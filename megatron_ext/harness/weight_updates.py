@@ -129,7 +129,8 @@ class WeightUpdater:
         spec: the case's ``weight_updates``.
         planned: the run's requests (prompts and rounds, for ``train_step``).
         checkpoints: ``checkpoint`` updates: one checkpoint for every update, or one per update.
-        on_updated: called with the model after each update (the post-update reference keeps its weights).
+        on_updated: called with the model and its parameters' SHA-256 after each update (the
+            post-update reference keeps its weights).
 
     Raises:
         WeightUpdateError: ``checkpoint`` without checkpoints, or their count fits neither.
@@ -137,7 +138,7 @@ class WeightUpdater:
 
     def __init__(self, model: Any, spec: WeightUpdateSpec, planned: Sequence[PlannedRequest],
                  checkpoints: Sequence[CheckpointSource] = (),
-                 on_updated: Optional[Callable[[Any], None]] = None) -> None:
+                 on_updated: Optional[Callable[[Any, str], None]] = None) -> None:
         self.model, self.spec, self.on_updated = model, spec, on_updated
         self.planned = {p.request_id: p for p in planned}
         if spec.kind == "checkpoint" and len(checkpoints) not in (1, len(spec.update_at_steps)):
@@ -174,7 +175,7 @@ class WeightUpdater:
         record.weights_sha256 = weights_sha256(self.model)
         record.mla_stale_layers = stale_absorbed_layers(self.model)
         if self.on_updated is not None:
-            self.on_updated(self.model)
+            self.on_updated(self.model, record.weights_sha256)
 
     def _train_step(self, batch: list[int], outputs: dict[int, RequestOutput], seed: int) -> float:
         if not batch:
